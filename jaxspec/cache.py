@@ -1,0 +1,58 @@
+"""KV cache: one contiguous region per slot, per-slot lengths.
+
+Layout (kept behind this module so paging can come later):
+  k, v:    tuples of num_layers arrays [batch, max_len, num_kv_heads, head_dim]
+  lengths: [batch] int32, the number of tokens of each slot that have KV.
+
+One buffer per layer (not one stacked [L, ...] array): XLA:CPU then updates each layer's buffer in
+place inside the decode loop; with a stacked array the per-layer scatter copied the whole cache
+(measured: 48 ms vs 24 ms per SmolLM2 decode step at max_len 2048).
+
+The cache is a pytree; jitted callers donate it so XLA updates it in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    k: tuple  # L x [B, S, Hkv, D]
+    v: tuple  # L x [B, S, Hkv, D]
+    lengths: jax.Array  # [B] int32
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, batch: int, max_len: int, dtype) -> "KVCache":
+        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        z = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa: E731
+        return cls(z(), z(), jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+    def write(self, layer: int, k_new: jax.Array, v_new: jax.Array, start: jax.Array) -> "KVCache":
+        """Writes k_new/v_new [B, T, Hkv, D] at positions start[b] + t of `layer`.
+
+        Positions past max_len are dropped (padding of a chunked prefill)."""
+        b, t = k_new.shape[:2]
+        rows = jnp.arange(b)[:, None]  # [B, 1]
+        cols = start[:, None] + jnp.arange(t)[None, :]  # [B, T]
+        k = self.k[layer].at[rows, cols].set(k_new.astype(self.k[layer].dtype), mode="drop")
+        v = self.v[layer].at[rows, cols].set(v_new.astype(self.v[layer].dtype), mode="drop")
+        put = lambda t, x: t[:layer] + (x,) + t[layer + 1 :]  # noqa: E731
+        return dataclasses.replace(self, k=put(self.k, k), v=put(self.v, v))
+
+    def reset_slots(self, mask: jax.Array) -> "KVCache":
+        """Sets lengths of slots where mask [B] is true to 0 (their KV becomes invisible)."""
+        return dataclasses.replace(self, lengths=jnp.where(mask, 0, self.lengths))
+
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in self.k + self.v)

