@@ -50,3 +50,47 @@ def copy_bandwidth(nbytes: int = 1 << 29, reps: int = 5) -> float:
         np.copyto(b, a)
         best = min(best, time.perf_counter() - t)
     return 2 * nbytes / best
+
+
+def jax_read_bandwidth(nbytes: int = 1 << 29, reps: int = 5) -> float:
+    """Best read bandwidth of a jitted XLA reduction, bytes/s (what a weight-bound decode can reach)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def synthetic_layers_ms(hidden: int, inter: int, kv: int, layers: int, reps: int = 20) -> float:
+    """Best time of a jitted batch-1 loop of `layers` Llama-shaped matvecs (q, k, v, o, gate, up, down)
+    with no attention, norms, LM head or sampling: the floor for the layer stack under XLA:CPU."""
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.key(0)
+    shapes = [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden), (hidden, inter), (hidden, inter), (inter, hidden)]
+    ws = [[jax.random.normal(key, s, jnp.float32) * 0.02 for s in shapes] for _ in range(layers)]
+
+    def f(ws, x):
+        for q, k, v, o, g, u, d in ws:
+            a = (x @ q) * jnp.tanh(jnp.sum(x @ k) + jnp.sum(x @ v))
+            x = x + a @ o
+            x = x + (jax.nn.silu(x @ g) * (x @ u)) @ d
+        return x
+
+    j = jax.jit(f)
+    x = jnp.ones((1, hidden), jnp.float32)
+    j(ws, x).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        j(ws, x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3

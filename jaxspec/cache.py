@@ -50,6 +50,16 @@ class KVCache:
         put = lambda t, x: t[:layer] + (x,) + t[layer + 1 :]  # noqa: E731
         return dataclasses.replace(self, k=put(self.k, k), v=put(self.v, v))
 
+    def commit_path(self, path: jax.Array) -> "KVCache":
+        """Moves the KV at columns lengths + path[:, i] to lengths + i (an accepted tree path
+        becomes contiguous). path: [B, T] node indices relative to lengths; lengths unchanged."""
+        b, t = path.shape
+        rows = jnp.arange(b)[:, None]
+        src = self.lengths[:, None] + path
+        dst = self.lengths[:, None] + jnp.arange(t)[None, :]
+        move = lambda x: x.at[rows, dst].set(x[rows, src], mode="drop")  # noqa: E731
+        return dataclasses.replace(self, k=tuple(map(move, self.k)), v=tuple(map(move, self.v)))
+
     def reset_slots(self, mask: jax.Array) -> "KVCache":
         """Sets lengths of slots where mask [B] is true to 0 (their KV becomes invisible)."""
         return dataclasses.replace(self, lengths=jnp.where(mask, 0, self.lengths))

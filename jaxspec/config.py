@@ -149,3 +149,90 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         mid = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
         inv = np.where(mid, (1 - t) * scaled / factor + t * scaled, scaled)
     return inv.astype(np.float32)
+
+
+# ---- speculative decoding ------------------------------------------------------------------------
+
+SPEC_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """SGLang's `--speculative-*` flags, resolved and validated.
+
+    `num_steps` draft forwards build a tree of `num_draft_tokens` (N) nodes, root included, from the
+    `eagle_topk` best children per step. Static: it is a jit static argument."""
+
+    algorithm: str = "NONE"
+    draft_model_path: str | None = None
+    num_steps: int = 0
+    eagle_topk: int = 0
+    num_draft_tokens: int = 0
+    accept_threshold_single: float = 1.0
+    accept_threshold_acc: float = 1.0
+    token_map: str | None = None
+    draft_model_revision: str | None = None  # accepted for SGLang parity; local paths have no revisions
+    draft_load_format: str | None = None  # accepted for SGLang parity; the format is detected from the files
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm != "NONE"
+
+    @property
+    def is_eagle(self) -> bool:
+        return self.algorithm in ("EAGLE", "EAGLE3")
+
+    @classmethod
+    def resolve(
+        cls,
+        algorithm: str | None,
+        target: ModelConfig | None = None,
+        draft_model_path: str | None = None,
+        num_steps: int | None = None,
+        eagle_topk: int | None = None,
+        num_draft_tokens: int | None = None,
+        accept_threshold_single: float = 1.0,
+        accept_threshold_acc: float = 1.0,
+        token_map: str | None = None,
+        draft_model_revision: str | None = None,
+        draft_load_format: str | None = None,
+    ) -> "SpecConfig":
+        import logging
+
+        log = logging.getLogger("jaxspec")
+        algo = (algorithm or "NONE").upper()
+        if algo not in SPEC_ALGORITHMS:
+            raise JaxspecError(f"unknown speculative_algorithm {algorithm!r}; choose one of {', '.join(SPEC_ALGORITHMS)}")
+        if algo == "NEXTN":  # SGLang treats NEXTN as EAGLE
+            algo = "EAGLE"
+        if algo == "NONE":
+            return cls()
+        if algo == "NGRAM":
+            raise JaxspecError("speculative_algorithm=NGRAM is not implemented yet (issue 4)")
+        if draft_model_path is None:
+            raise JaxspecError(f"speculative_algorithm={algo} needs speculative_draft_model_path")
+        knobs = (num_steps, eagle_topk, num_draft_tokens)
+        if all(k is None for k in knobs):
+            llama = target is not None and target.model_type in LLAMA_FAMILY and algo != "STANDALONE"
+            num_steps, eagle_topk, num_draft_tokens = (5, 4, 8) if llama else (3, 1, 4)
+        elif any(k is None for k in knobs):
+            raise JaxspecError(
+                "set all three of speculative_num_steps, speculative_eagle_topk and speculative_num_draft_tokens, "
+                "or none of them (auto defaults)"
+            )
+        if num_steps < 1 or eagle_topk < 1 or num_draft_tokens < 2:
+            raise JaxspecError("need speculative_num_steps >= 1, speculative_eagle_topk >= 1 and speculative_num_draft_tokens >= 2")
+        if eagle_topk == 1 and num_draft_tokens != num_steps + 1:
+            log.warning("speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 = %d when speculative_eagle_topk == 1", num_steps + 1)
+            num_draft_tokens = num_steps + 1
+        if num_draft_tokens > 1 + num_steps * eagle_topk:
+            raise JaxspecError(
+                f"speculative_num_draft_tokens={num_draft_tokens} is more than 1 + num_steps * topk = "
+                f"{1 + num_steps * eagle_topk}; lower it or raise speculative_num_steps / speculative_eagle_topk"
+            )
+        for name, v in (("accept_threshold_single", accept_threshold_single), ("accept_threshold_acc", accept_threshold_acc)):
+            if not 0 < v <= 1:
+                raise JaxspecError(f"speculative_{name} must be in (0, 1], got {v}")
+        return cls(algo, draft_model_path, num_steps, eagle_topk, num_draft_tokens, float(accept_threshold_single),
+                   float(accept_threshold_acc), token_map, draft_model_revision, draft_load_format)

@@ -26,15 +26,13 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.cache import KVCache
+from jaxspec.config import SpecConfig
 from jaxspec.decode import LENGTH, STOPPED, decode, prefill_chunk
 from jaxspec.errors import JaxspecError
 from jaxspec.loader import LoadedModel, jnp_dtype, load
 from jaxspec.sampling import SamplingParams, SamplingTensors
 
 logger = logging.getLogger("jaxspec")
-
-SPEC_ALGORITHMS_NOT_YET = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
-
 
 def bucket(n: int, lo: int = 1) -> int:
     """Smallest power of two >= max(n, lo)."""
@@ -54,23 +52,34 @@ class Engine:
         attention_backend: str = "xla",
         random_seed: int = 0,
         speculative_algorithm: str | None = None,
+        speculative_draft_model_path: str | None = None,
+        speculative_num_steps: int | None = None,
+        speculative_eagle_topk: int | None = None,
+        speculative_num_draft_tokens: int | None = None,
+        speculative_accept_threshold_single: float = 1.0,
+        speculative_accept_threshold_acc: float = 1.0,
+        speculative_token_map: str | None = None,
+        speculative_draft_model_revision: str | None = None,
+        speculative_draft_load_format: str | None = None,
         log_level: str = "warning",
         show_progress: bool = True,
         _loaded: LoadedModel | None = None,
     ):
         logging.basicConfig(level=log_level.upper())
         logger.setLevel(log_level.upper())
-        algo = (speculative_algorithm or "NONE").upper()
-        if algo in SPEC_ALGORITHMS_NOT_YET:
-            raise JaxspecError(f"speculative_algorithm={algo} is not implemented yet (see README); use NONE")
-        if algo != "NONE":
-            raise JaxspecError(f"unknown speculative_algorithm {speculative_algorithm!r}")
+        spec_args = dict(
+            draft_model_path=speculative_draft_model_path, num_steps=speculative_num_steps, eagle_topk=speculative_eagle_topk,
+            num_draft_tokens=speculative_num_draft_tokens, accept_threshold_single=speculative_accept_threshold_single,
+            accept_threshold_acc=speculative_accept_threshold_acc, token_map=speculative_token_map,
+            draft_model_revision=speculative_draft_model_revision, draft_load_format=speculative_draft_load_format,
+        )
+        SpecConfig.resolve(speculative_algorithm, None, **spec_args)  # fail fast on bad flags, before loading
         if attention_backend != "xla":
             raise JaxspecError(f"unknown attention_backend {attention_backend!r}; available: xla")
         if max_running_requests < 1 or chunked_prefill_size < 1:
             raise JaxspecError("max_running_requests and chunked_prefill_size must be >= 1")
         if _loaded is None:
-            _loaded = load(model_path, dtype, tokenizer_path, progress=show_progress) if not skip_tokenizer_init else _load_no_tokenizer(model_path, dtype, show_progress)
+            _loaded = load(model_path, dtype, tokenizer_path, progress=show_progress, with_tokenizer=not skip_tokenizer_init)
         self.loaded = _loaded
         self.cfg = _loaded.cfg
         self.tokenizer = _loaded.tokenizer
@@ -82,7 +91,13 @@ class Engine:
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.backend = attention_backend
-        self.speculative_algorithm = algo
+        self.spec = SpecConfig.resolve(speculative_algorithm, self.cfg, **spec_args)
+        self.speculative_algorithm = self.spec.algorithm
+        self.proposer = self.dparams = None
+        if self.spec.enabled:
+            from jaxspec.spec.proposers import load_proposer
+
+            self.proposer, self.dparams = load_proposer(self.spec, _loaded, dtype, show_progress)
         self._rng = np.random.default_rng(random_seed)
 
     @classmethod
@@ -145,6 +160,8 @@ class Engine:
             params = [SamplingParams.from_dict(p) for p in sampling_params]
         else:
             params = [SamplingParams.from_dict(sampling_params)] * len(ids)
+        if self.spec.enabled and any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
+            raise JaxspecError("repetition/frequency/presence penalties are not supported with speculative decoding yet")
         for i, x in enumerate(ids):
             if len(x) == 0:
                 raise JaxspecError(f"prompt {i} is empty")
@@ -180,7 +197,8 @@ class Engine:
         longest = max(lens)
         chunk = min(bucket(self.chunked_prefill_size), bucket(longest, 16))
         n_chunks = -(-longest // chunk)
-        s_len = min(bucket(max(l + m for l, m in zip(lens, max_new)), 64), max(self.context_length, longest + 1))
+        extra = 0 if not self.spec.enabled else self.spec.num_draft_tokens + self.spec.num_steps * self.spec.eagle_topk + 2
+        s_len = bucket(max(l + m for l, m in zip(lens, max_new)) + extra, 64)
         stops = [self._stop_ids(p) for p in params]
         k = bucket(max(len(s) for s in stops), 4)
         seeds = [p.seed if p.seed is not None else int(self._rng.integers(2**31)) for p in params]
@@ -200,17 +218,44 @@ class Engine:
 
         cache = KVCache.create(self.cfg, b, s_len, self.dtype)
         last_h = jnp.zeros((b, self.cfg.hidden_size), self.dtype)
-        for c in range(n_chunks):
-            tokens = prompt_d[:, c * chunk : (c + 1) * chunk]
-            cache, last_h = prefill_chunk(self.graphdef, self.params, cache, tokens, jnp.int32(c * chunk), lens_d, last_h, backend=self.backend)
-        out, num_out, finish, _ = decode(
-            self.graphdef, self.params, cache, last_h, prompt_d, lens_d, st, max_new_d, jnp.asarray(stop_arr), buf=buf, backend=self.backend
-        )
-        out, num_out, finish = jax.device_get((out, num_out, finish))
+        if self.spec.enabled:
+            out, num_out, finish, verify_ct, hist = self._spec_batch(cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks)
+        else:
+            for c in range(n_chunks):
+                tokens = prompt_d[:, c * chunk : (c + 1) * chunk]
+                cache, last_h = prefill_chunk(self.graphdef, self.params, cache, tokens, jnp.int32(c * chunk), lens_d, last_h, backend=self.backend)
+            out, num_out, finish, _ = decode(
+                self.graphdef, self.params, cache, last_h, prompt_d, lens_d, st, max_new_d, jnp.asarray(stop_arr), buf=buf, backend=self.backend
+            )
+            out, num_out, finish = jax.device_get((out, num_out, finish))
+            verify_ct, hist = num_out, None
         latency = time.perf_counter() - t0
-        return [self._result(list(map(int, out[i, : num_out[i]])), int(finish[i]), lens[i], params[i], latency) for i in range(n)]
+        return [
+            self._result(list(map(int, out[i, : num_out[i]])), int(finish[i]), lens[i], params[i], latency, int(verify_ct[i]), None if hist is None else hist[i])
+            for i in range(n)
+        ]
 
-    def _result(self, out_ids: list[int], finish: int, prompt_len: int, p: SamplingParams, latency: float) -> dict[str, Any]:
+    def _spec_batch(self, cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks):
+        from jaxspec.spec.loop import spec_decode, spec_prefill_chunk
+
+        prop, b = self.proposer, prompt.shape[0]
+        dcache = KVCache.create(prop.cfg, b, cache.max_len, self.dtype)
+        shifted = np.zeros_like(prompt)
+        shifted[:, : prompt.shape[1] - prop.shift] = prompt[:, prop.shift :]
+        dprompt = jnp.asarray(shifted)
+        feat_dim = (3 if prop.capture_layers else 1) * self.cfg.hidden_size if prop.uses_hidden else 1
+        last_feat = jnp.zeros((b, feat_dim), self.dtype)
+        for c in range(n_chunks):
+            sl = slice(c * chunk, (c + 1) * chunk)
+            cache, dcache, last_h, last_feat = spec_prefill_chunk(
+                self.graphdef, self.params, prop, self.dparams, cache, dcache, prompt_d[:, sl], dprompt[:, sl], jnp.int32(c * chunk),
+                lens_d, last_h, last_feat, backend=self.backend,
+            )
+        res, _ = spec_decode(self.graphdef, self.params, prop, self.dparams, self.spec, cache, dcache, last_h, last_feat, st, max_new_d,
+                          jnp.asarray(stop_arr), buf=buf, backend=self.backend)
+        return jax.device_get(res)
+
+    def _result(self, out_ids, finish, prompt_len, p: SamplingParams, latency, verify_ct, hist) -> dict[str, Any]:
         if finish == STOPPED:
             reason = {"type": "stop", "matched": out_ids[-1]}
         elif finish == LENGTH:
@@ -240,22 +285,11 @@ class Engine:
                 "completion_tokens": len(out_ids),
                 "finish_reason": reason,
                 "e2e_latency": latency,
-                "spec_verify_ct": len(out_ids),
-                "spec_accept_length": 1.0,
+                "spec_verify_ct": verify_ct,
+                "spec_accept_length": len(out_ids) / max(verify_ct, 1),
+                **({} if hist is None else {"spec_accept_histogram": [int(x) for x in hist[1:]]}),
             },
         }
-
-
-def _load_no_tokenizer(model_path, dtype, progress) -> LoadedModel:
-    from convert.sources import open_source
-    from jaxspec.config import ModelConfig
-    from jaxspec.loader import resolve_model_path
-    from jaxspec.models.params import load_model
-
-    path = resolve_model_path(model_path, progress)
-    src = open_source(path)
-    cfg = ModelConfig.from_hf(src.config)
-    return LoadedModel(cfg, load_model(cfg, src.names, src.get, jnp_dtype(dtype), progress), None, path, src.kind)
 
 
 _ENGINES: dict = {}

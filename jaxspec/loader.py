@@ -39,7 +39,7 @@ def resolve_model_path(model_path: str | None, progress: bool = True) -> str:
     return model_path
 
 
-def load(model_path: str | None, dtype: str = "float32", tokenizer_path: str | None = None, progress: bool = True) -> LoadedModel:
+def load(model_path: str | None, dtype: str = "float32", tokenizer_path: str | None = None, progress: bool = True, with_tokenizer: bool = True) -> LoadedModel:
     from convert.sources import _hf_tokenizer, open_source
     from jaxspec.models.params import load_model
 
@@ -47,6 +47,8 @@ def load(model_path: str | None, dtype: str = "float32", tokenizer_path: str | N
     src = open_source(path)
     cfg = ModelConfig.from_hf(src.config)
     model = load_model(cfg, src.names, src.get, jnp_dtype(dtype), progress, desc=f"loading {os.path.basename(path.rstrip('/'))}")
+    if not with_tokenizer:
+        return LoadedModel(cfg, model, None, path, src.kind)
     tokenizer = _hf_tokenizer(tokenizer_path) if tokenizer_path else src.load_tokenizer()
     check_tokenizer(cfg, tokenizer, path)
     return LoadedModel(cfg, model, tokenizer, path, src.kind)

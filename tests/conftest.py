@@ -75,3 +75,43 @@ def default_engine():
 @pytest.fixture(scope="session")
 def rng():
     return np.random.default_rng(0)
+
+
+def save_eagle_head(path, kind: str, target_hf_config: dict, seed: int = 0, draft_vocab: int | None = None, scale: float = 1.0, aux_layer_ids=None):
+    """Writes a random EAGLE ("EAGLE") or EAGLE-3 ("EAGLE3") head in the public checkpoint layout."""
+    import json
+    import os
+
+    import jax.numpy as jnp
+    from flax import nnx
+    from safetensors.numpy import save_file
+
+    from jaxspec.models.eagle import build_eagle, eagle_config, eagle_key
+    from jaxspec.models.params import module_tensors
+
+    arch = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}[kind]
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+            "max_position_embeddings", "rope_theta", "bos_token_id", "eos_token_id", "head_dim")
+    cfg = {k: target_hf_config[k] for k in keep if target_hf_config.get(k) is not None}
+    cfg.update(architectures=[arch], model_type="llama", num_hidden_layers=1, hidden_act="silu", tie_word_embeddings=False)
+    if kind == "EAGLE3":
+        cfg["draft_vocab_size"] = draft_vocab or cfg["vocab_size"]
+        if aux_layer_ids is not None:
+            cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
+    _, mcfg, extra = eagle_config(cfg)
+    head = build_eagle(kind, mcfg, extra, jnp.float32, nnx.Rngs(seed))
+    t = module_tensors(head, eagle_key)
+    rng = np.random.default_rng(seed)
+    for k in t:
+        if t[k].dtype == np.float32 and not k.endswith("norm.weight"):
+            t[k] = t[k] * scale
+    if kind == "EAGLE3":
+        v, dv = cfg["vocab_size"], cfg["draft_vocab_size"]
+        ids = np.sort(rng.choice(v, dv, replace=False))
+        t["d2t"] = (ids - np.arange(dv)).astype(np.int64)
+        t["t2d"] = np.isin(np.arange(v), ids)
+    os.makedirs(path, exist_ok=True)
+    save_file({("model." + k if k.startswith("layers") else k): v for k, v in t.items()}, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(path)

@@ -61,9 +61,11 @@ def test_bad_chat_messages(default_engine):
         default_engine.chat([{"content": "no role"}])
 
 
-def test_speculative_not_yet_and_unknown():
-    with pytest.raises(JaxspecError, match="not implemented yet"):
+def test_speculative_flag_errors_before_loading():
+    with pytest.raises(JaxspecError, match="speculative_draft_model_path"):
         jaxspec.Engine(speculative_algorithm="EAGLE3")
+    with pytest.raises(JaxspecError, match="not implemented yet"):
+        jaxspec.Engine(speculative_algorithm="NGRAM")
     with pytest.raises(JaxspecError, match="unknown speculative_algorithm"):
         jaxspec.Engine(speculative_algorithm="MAGIC")
 

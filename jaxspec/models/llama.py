@@ -53,15 +53,15 @@ def apply_rope(x, positions, inv_freq):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        h, d = cfg.hidden_size, cfg.head_dim
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, in_dim: int | None = None):
+        h, d = in_dim or cfg.hidden_size, cfg.head_dim
         self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         self.cfg = cfg
 
-    def __call__(self, x, positions, inv_freq, cache: KVCache, layer: int, local_mask, backend):
+    def __call__(self, x, positions, inv_freq, cache: KVCache, layer: int, local_mask, offset, backend):
         cfg = self.cfg
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -69,8 +69,8 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        cache = cache.write(layer, k, v, cache.lengths)
-        o = attention(q, cache.k[layer], cache.v[layer], cache.lengths, local_mask, cfg.sliding_window, backend)
+        cache = cache.write(layer, k, v, cache.lengths + offset)
+        o = attention(q, cache.k[layer], cache.v[layer], cache.lengths, local_mask, cfg.sliding_window, offset, backend)
         return self.o_proj(o.reshape(b, t, cfg.num_heads * cfg.head_dim)), cache
 
 
@@ -86,14 +86,16 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, input_norm: bool = True):
+        # EAGLE-1/2 draft layers have no input_layernorm.
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if input_norm else None
         self.self_attn = Attention(cfg, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, positions, inv_freq, cache, layer, local_mask, backend):
-        a, cache = self.self_attn(self.input_layernorm(x), positions, inv_freq, cache, layer, local_mask, backend)
+    def __call__(self, x, positions, inv_freq, cache, layer, local_mask, offset, backend):
+        xn = x if self.input_layernorm is None else self.input_layernorm(x)
+        a, cache = self.self_attn(xn, positions, inv_freq, cache, layer, local_mask, offset, backend)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), cache
 
@@ -113,10 +115,11 @@ class LlamaForCausalLM(nnx.Module):
         self,
         tokens,  # [B, T] int32
         positions,  # [B, T] int32 (RoPE positions; = cache column for plain decoding)
-        cache: KVCache,  # new KV written at cache.lengths[b] + t; lengths are NOT advanced here
-        local_mask=None,  # [B, T, T] bool, None = causal
+        cache: KVCache,  # new KV written at cache.lengths[b] + offset + t; lengths are NOT advanced here
+        local_mask=None,  # [B, T, W] bool over the region from cache.lengths (see attention.py); None = causal
         capture_layers: tuple[int, ...] = (),
         backend: str = "xla",
+        offset=0,  # int32 scalar: where the new tokens start inside the local region
     ):
         """Returns (hidden [B, T, H] after the final norm, cache, captured [len(capture_layers), B, T, H]).
 
@@ -128,7 +131,7 @@ class LlamaForCausalLM(nnx.Module):
         for i, layer in enumerate(self.layers):
             if i in capture_layers:
                 captured.append(x)
-            x, cache = layer(x, positions, inv_freq, cache, i, local_mask, backend)
+            x, cache = layer(x, positions, inv_freq, cache, i, local_mask, offset, backend)
         if self.cfg.num_layers in capture_layers:
             captured.append(x)
         h = self.norm(x)

@@ -44,14 +44,23 @@ def load_model(
     desc: str = "loading weights",
 ) -> LlamaForCausalLM:
     """Builds the model from tensors `get(hf_key)` without materialising a random init."""
+    ignore = lambda n: n.endswith(IGNORED_SUFFIXES) or (n == "lm_head.weight" and cfg.tie_word_embeddings)  # noqa: E731
+    return load_module(lambda: LlamaForCausalLM(cfg, dtype, rngs=nnx.Rngs(0)), hf_key, names, get, dtype, progress, desc, ignore)
+
+
+def load_module(make, key_fn, names, get, dtype=jnp.float32, progress=True, desc="loading weights", ignore=lambda n: False):
+    """Fills the module that `make()` builds with checkpoint tensors; key_fn(path) -> (key, transpose?).
+
+    nnx.Param leaves are cast to `dtype`; other variables (e.g. int index tables) keep their dtype.
+    Missing, mis-shaped and unexpected tensors are reported together as one JaxspecError."""
     names = set(names)
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(make)
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
     missing, bad_shape, leaves = [], [], []
     used = set()
     for path, var in tqdm(list(flat), desc=desc, unit="tensor", disable=not progress, leave=False):
-        key, transpose = hf_key(path)
+        key, transpose = key_fn(path)
         if key not in names:
             missing.append(key)
             continue
@@ -62,7 +71,8 @@ def load_model(
         if tuple(arr.shape) != tuple(var.shape):
             bad_shape.append(f"{key}: checkpoint {tuple(arr.shape)} vs model {tuple(var.shape)}")
             continue
-        leaves.append((path, var.replace(jnp.asarray(arr, dtype=dtype))))
+        want = dtype if isinstance(var, nnx.Param) else var.dtype
+        leaves.append((path, var.replace(jnp.asarray(arr, dtype=want))))
     if missing or bad_shape:
         msg = []
         if missing:
@@ -70,20 +80,22 @@ def load_model(
         if bad_shape:
             msg.append(f"{len(bad_shape)} shape mismatches ({'; '.join(bad_shape[:4])})")
         raise JaxspecError("checkpoint does not match its config: " + "; ".join(msg))
-    unexpected = [
-        n for n in names - used
-        if not n.endswith(IGNORED_SUFFIXES) and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
-    ]
+    unexpected = [n for n in names - used if not ignore(n)]
     if unexpected:
         raise JaxspecError(f"checkpoint has {len(unexpected)} unexpected tensors (e.g. {', '.join(sorted(unexpected)[:4])})")
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 
-def to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
-    """The inverse of `load_model`: HF-named numpy tensors."""
+def module_tensors(module, key_fn) -> dict[str, np.ndarray]:
+    """The inverse of `load_module`: checkpoint-named numpy tensors of every variable."""
     out = {}
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        key, transpose = hf_key(path)
+    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Variable)):
+        key, transpose = key_fn(path)
         arr = np.asarray(var[...])
         out[key] = np.ascontiguousarray(arr.T if transpose else arr)
     return out
+
+
+def to_hf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
+    """The inverse of `load_model`: HF-named numpy tensors."""
+    return module_tensors(model, hf_key)

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft-tree growth, verification, proposers and the compiled round loop."""

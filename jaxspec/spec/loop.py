@@ -1,0 +1,160 @@
+"""The speculative round and the `lax.while_loop` that runs rounds until every slot finishes.
+
+One round (all static shapes; B slots, N tree nodes, D = num_steps):
+  draft   proposer steps grow a tree from the root distribution (tree.grow + tree.rerank)
+  verify  the target runs over the N tree tokens with the ancestor mask; verify.verify accepts
+  commit  the accepted path's target KV moves to contiguous columns; lengths += accepted + 1
+  emit    accepted drafts + bonus are appended (cut at a stop token or max_new_tokens)
+  refresh the proposer extends its KV over the accepted tokens and gets the next root
+Slots that finished keep running rounds as padding (their lengths do not move) until all are done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.cache import KVCache
+from jaxspec.config import SpecConfig
+from jaxspec.decode import LENGTH, RUNNING, STOPPED
+from jaxspec.sampling import SamplingTensors, sample
+from jaxspec.spec import tree as tree_lib
+from jaxspec.spec.proposers.base import DraftState, Proposer, pick_rows
+from jaxspec.spec.verify import verify
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "prop", "backend"), donate_argnames=("cache", "dcache"))
+def spec_prefill_chunk(graphdef, params, prop: Proposer, dparams, cache: KVCache, dcache: KVCache, tokens, dtokens, start,
+                       prompt_lens, last_h, last_feat, backend="xla"):
+    """Target and draft prefill of one chunk. tokens: prompt [B, C]; dtokens: the draft's tokens for
+    the same entries (prompt shifted by `prop.shift`). last_h [B, H] / last_feat [B, F]: the target
+    hidden and draft feature of each slot's last prompt token (updated when it is in this chunk)."""
+    tgt = nnx.merge(graphdef, params)
+    b, c = tokens.shape
+    cache = dataclasses.replace(cache, lengths=jnp.full((b,), start, jnp.int32))
+    pos = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
+    h, cache, cap = tgt(tokens, pos, cache, capture_layers=prop.capture_layers, backend=backend)
+    feats = prop.features(h, cap)
+    idx = prompt_lens - 1 - start
+    in_chunk = ((idx >= 0) & (idx < c))[:, None]
+    cidx = jnp.clip(idx, 0, c - 1)
+    last_h = jnp.where(in_chunk, pick_rows(h, cidx).astype(last_h.dtype), last_h)
+    if feats is not None:
+        last_feat = jnp.where(in_chunk, pick_rows(feats, cidx).astype(last_feat.dtype), last_feat)
+    cache = dataclasses.replace(cache, lengths=jnp.minimum(prompt_lens, start + c))
+    dcache = prop.prefill_chunk(dparams, tgt, dcache, dtokens, feats, start, prompt_lens - prop.shift)
+    return cache, dcache, last_h, last_feat
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecState:
+    out: jax.Array  # [B, M] int32
+    num_out: jax.Array  # [B]
+    done: jax.Array  # [B] bool
+    finish: jax.Array  # [B] int32
+    last: jax.Array  # [B] x_L: last emitted token, no target KV yet
+    cache: KVCache
+    draft: DraftState
+    verify_ct: jax.Array  # [B] rounds run while the slot was active
+    hist: jax.Array  # [B, D + 2] histogram of tokens emitted per round (1 .. D + 1)
+
+
+def emit(state: SpecState, new, n_new, max_new_tokens, stop_ids):
+    """Appends new[:, :n_new] (cut after the first stop token and at max_new_tokens) to active slots."""
+    b, t = new.shape
+    i = jnp.arange(t)[None, :]
+    active = ~state.done
+    is_stop = (i < n_new[:, None]) & jnp.any(new[:, :, None] == stop_ids[:, None, :], -1)
+    has_stop = jnp.any(is_stop, 1)
+    count = jnp.where(has_stop, jnp.argmax(is_stop, 1) + 1, n_new)
+    room = max_new_tokens - state.num_out
+    stopped = has_stop & (count <= room)
+    count = jnp.where(active, jnp.minimum(count, room), 0)
+    cols = jnp.where(i < count[:, None], state.num_out[:, None] + i, state.out.shape[1])  # out of range = dropped
+    out = state.out.at[jnp.arange(b)[:, None], cols].set(new, mode="drop")
+    num_out = state.num_out + count
+    hit_len = active & ~stopped & (num_out >= max_new_tokens)
+    stopped &= active
+    finish = jnp.where(stopped, STOPPED, jnp.where(hit_len, LENGTH, state.finish))
+    return dataclasses.replace(state, out=out, num_out=num_out, done=state.done | stopped | hit_len, finish=finish)
+
+
+def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState):
+    d = {"state": state.draft}
+
+    def step_fn(tokens, hidden, depth, mask, offset):
+        probs, h, d["state"] = prop.step(dparams, tgt, d["state"], tokens, hidden, depth, mask, offset)
+        return probs, h
+
+    root_hidden = state.draft.root_hidden if prop.uses_hidden else None
+    cand = tree_lib.grow(state.draft.root_probs, root_hidden, lambda ids: prop.to_target(dparams, ids), step_fn,
+                         spec.num_steps, spec.eagle_topk, prop.root_in_region)
+    return tree_lib.rerank(state.last, cand, spec.num_draft_tokens, spec.num_steps), d["state"]
+
+
+def spec_round(tgt, prop, dparams, spec: SpecConfig, state: SpecState, st, max_new_tokens, stop_ids, thr, backend):
+    steps = spec.num_steps
+    tree, dstate = draft_tree(prop, dparams, tgt, spec, state)
+    cache = state.cache
+    pos = cache.lengths[:, None] + tree.depth
+    h, cache, cap = tgt(tree.tokens, pos, cache, local_mask=tree.anc, capture_layers=prop.capture_layers, backend=backend)
+    keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.fold_in)(st.keys, jnp.ones_like(state.verify_ct)), state.verify_ct)
+    acc = verify(tree, tgt.logits(h), st, keys, steps, thr[0], thr[1])
+    active = ~state.done
+    n_new = acc.num + 1
+    cache = cache.commit_path(acc.path)
+    cache = dataclasses.replace(cache, lengths=cache.lengths + jnp.where(active, n_new, 0))
+    # emitted tokens: the accepted path after the root, then the bonus
+    i = jnp.arange(steps + 1)[None, :]
+    path_next = jnp.take_along_axis(tree.tokens, jnp.concatenate([acc.path[:, 1:], acc.path[:, -1:]], 1), 1)
+    new = jnp.where(i < acc.num[:, None], path_next, jnp.where(i == acc.num[:, None], acc.bonus[:, None], 0))
+    b = new.shape[0]
+    hist = state.hist.at[jnp.arange(b), n_new].add(active.astype(jnp.int32))
+    state = dataclasses.replace(state, cache=cache, verify_ct=state.verify_ct + active, hist=hist)
+    state = emit(state, new, n_new, max_new_tokens, stop_ids)
+    # refresh the draft over what was accepted
+    feats = prop.features(h, cap)
+    if prop.root_in_region:  # block = [x_L, accepted drafts..., bonus]
+        block, n_block, bfeats = jnp.concatenate([state.last[:, None], new], 1), n_new + 1, None
+    else:  # block = (accepted drafts..., bonus) with the target features of their predecessors
+        block, n_block = new, n_new
+        bfeats = None if feats is None else jnp.take_along_axis(feats, acc.path[:, :, None], 1)
+    dstate = prop.extend(dparams, tgt, dstate, block, bfeats, n_block, active)
+    return dataclasses.replace(state, draft=dstate, last=jnp.where(active, acc.bonus, state.last))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "prop", "spec", "buf", "backend"), donate_argnames=("cache", "dcache"))
+def spec_decode(graphdef, params, prop: Proposer, dparams, spec: SpecConfig, cache: KVCache, dcache: KVCache, last_h, last_feat,
+                st: SamplingTensors, max_new_tokens, stop_ids, buf: int, backend="xla"):
+    """First token from the prefill, draft extend over it, then rounds in a while_loop.
+
+    Returns ((out [B, buf], num_out [B], finish [B], verify_ct [B], hist [B, D + 2]), caches); the
+    caches are returned only so that their donated buffers are reused."""
+    tgt = nnx.merge(graphdef, params)
+    b = last_h.shape[0]
+    v = tgt.cfg.vocab_size
+    zeros = jnp.zeros((b, v), jnp.int32)
+    first = sample(tgt.logits(last_h), st, zeros, zeros > 0, jax.vmap(jax.random.fold_in)(st.keys, jnp.zeros((b,), jnp.int32)))
+    dstate = DraftState(dcache, jnp.zeros((b, prop.draft_vocab), jnp.float32),
+                        jnp.zeros((b, prop.cfg.hidden_size if prop.uses_hidden else 1), last_h.dtype))
+    state = SpecState(
+        out=jnp.zeros((b, buf), jnp.int32), num_out=jnp.zeros((b,), jnp.int32), done=max_new_tokens <= 0,
+        finish=jnp.where(max_new_tokens <= 0, LENGTH, RUNNING).astype(jnp.int32), last=first, cache=cache, draft=dstate,
+        verify_ct=jnp.zeros((b,), jnp.int32), hist=jnp.zeros((b, spec.num_steps + 2), jnp.int32),
+    )
+    state = emit(state, first[:, None], jnp.ones((b,), jnp.int32), max_new_tokens, stop_ids)
+    feats = None if last_feat is None or not prop.uses_hidden else last_feat[:, None]
+    dstate = prop.extend(dparams, tgt, state.draft, first[:, None], feats, jnp.ones((b,), jnp.int32), jnp.ones((b,), bool))
+    state = dataclasses.replace(state, draft=dstate)
+    thr = (jnp.full((b,), spec.accept_threshold_single, jnp.float32), jnp.full((b,), spec.accept_threshold_acc, jnp.float32))
+    state = jax.lax.while_loop(
+        lambda s: ~jnp.all(s.done),
+        lambda s: spec_round(tgt, prop, dparams, spec, s, st, max_new_tokens, stop_ids, thr, backend),
+        state,
+    )
+    return (state.out, state.num_out, state.finish, state.verify_ct, state.hist), (state.cache, state.draft.cache)

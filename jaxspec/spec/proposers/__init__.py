@@ -1,0 +1,21 @@
+"""Draft proposers. One file per method; each implements the `Proposer` protocol in `base.py`."""
+
+from __future__ import annotations
+
+from jaxspec.spec.proposers.base import DraftState, Proposer
+
+
+def load_proposer(spec, target, dtype, progress: bool = True):
+    """-> (Proposer, draft params pytree) for `spec.algorithm`; `target` is the LoadedModel."""
+    if spec.algorithm == "STANDALONE":
+        from jaxspec.spec.proposers.standalone import load_standalone
+
+        return load_standalone(spec, target, dtype, progress)
+    if spec.algorithm in ("EAGLE", "EAGLE3"):
+        from jaxspec.spec.proposers.eagle import load_eagle
+
+        return load_eagle(spec, target, dtype, progress)
+    raise ValueError(f"no proposer for {spec.algorithm}")
+
+
+__all__ = ["DraftState", "Proposer", "load_proposer"]

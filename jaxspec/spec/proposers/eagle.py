@@ -1,0 +1,133 @@
+"""EAGLE-1/2 and EAGLE-3 heads as proposers (DESIGN.md §4).
+
+Draft entry p holds (token x_{p+1}, target feature h_p) at position p. Prefill writes entries
+0 .. P-2 chunk by chunk; the extend after each verification (and once after prefill) writes
+(accepted drafts + bonus, target features at the accepted nodes) and commits all of them. The
+last entry's output gives the root distribution and the hidden fed to x_L's children.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.cache import KVCache
+from jaxspec.errors import JaxspecError
+from jaxspec.spec.proposers.base import DraftState, Proposer, load_token_map, pick_rows
+
+logger = logging.getLogger("jaxspec")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EagleProposer(Proposer):
+    eagle3: bool = False
+
+    def features(self, h, captured):
+        if self.eagle3:  # [3, B, T, H] -> [B, T, 3H]
+            return jnp.concatenate(list(captured), axis=-1)
+        return h
+
+    def _probs(self, dparams, tgt, head, lh):
+        if self.eagle3:
+            logits = head.logits(lh)
+        elif "head" in dparams:
+            logits = (lh @ dparams["head"]).astype(jnp.float32)
+        else:
+            logits = tgt.logits(lh)
+        return jax.nn.softmax(logits, -1)
+
+    def to_target(self, dparams, ids):
+        if self.eagle3:
+            return nnx.merge(self.graphdef, dparams["draft"]).to_target(ids)
+        return super().to_target(dparams, ids)
+
+    def init_state(self, dparams, batch, max_len, dtype):
+        return DraftState(
+            KVCache.create(self.cfg, batch, max_len, dtype),
+            jnp.zeros((batch, self.draft_vocab), jnp.float32),
+            jnp.zeros((batch, self.cfg.hidden_size), dtype),
+        )
+
+    def _run(self, dparams, tgt, cache, tokens, hidden, pos, mask=None, offset=0):
+        head = nnx.merge(self.graphdef, dparams["draft"])
+        embeds = tgt.embed_tokens[...][tokens]
+        lh, fb, cache = head(embeds, hidden, pos, cache, mask, offset)
+        return head, lh, fb, cache
+
+    def prefill_chunk(self, dparams, tgt, cache, tokens, feats, start, commit_lens):
+        b, c = tokens.shape
+        cache = dataclasses.replace(cache, lengths=jnp.full((b,), start, jnp.int32))
+        pos = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
+        _, _, _, cache = self._run(dparams, tgt, cache, tokens, feats, pos)
+        return dataclasses.replace(cache, lengths=jnp.clip(commit_lens, 0, start + c).astype(jnp.int32))
+
+    def extend(self, dparams, tgt, state, tokens, feats, n_block, active):
+        cache = state.cache
+        b, t = tokens.shape
+        pos = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        head, lh, fb, cache = self._run(dparams, tgt, cache, tokens, feats, pos)
+        root = self._probs(dparams, tgt, head, pick_rows(lh, n_block - 1))
+        root_h = pick_rows(fb, n_block - 1).astype(state.root_hidden.dtype)
+        cache = dataclasses.replace(cache, lengths=cache.lengths + jnp.where(active, n_block, 0))
+        keep = active[:, None]
+        return DraftState(cache, jnp.where(keep, root, state.root_probs), jnp.where(keep, root_h, state.root_hidden))
+
+    def step(self, dparams, tgt, state, tokens, hidden, depth, mask, offset):
+        pos = state.cache.lengths[:, None] + (depth - 1) + jnp.zeros_like(tokens)
+        head, lh, fb, cache = self._run(dparams, tgt, state.cache, tokens, hidden, pos, mask, offset)
+        return self._probs(dparams, tgt, head, lh), fb.astype(hidden.dtype), dataclasses.replace(state, cache=cache)
+
+
+def _strip(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def load_eagle(spec, target, dtype, progress=True):
+    from convert.sources import open_hf_dir
+    from jaxspec.loader import jnp_dtype
+    from jaxspec.models.eagle import build_eagle, eagle3_capture_layers, eagle_config, eagle_key
+    from jaxspec.models.params import load_module
+
+    path = spec.draft_model_path
+    if not os.path.isdir(path):
+        raise JaxspecError(f"EAGLE draft path must be a directory with config.json and weights: {path}")
+    src = open_hf_dir(path, check_config=False)
+    kind, cfg, extra = eagle_config(src.config)
+    if kind != spec.algorithm:
+        want = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}[spec.algorithm]
+        raise JaxspecError(f"speculative_algorithm={spec.algorithm} needs a {want} draft, but {path} is {kind}")
+    if cfg.hidden_size != target.cfg.hidden_size:
+        raise JaxspecError(f"draft hidden_size {cfg.hidden_size} != target hidden_size {target.cfg.hidden_size}")
+    names = {_strip(n): n for n in src.names}
+    jdt = jnp_dtype(dtype)
+    ignore = lambda n: n in ("t2d", "embed_tokens.weight", "lm_head.weight") or n.endswith("rotary_emb.inv_freq")  # noqa: E731
+    head = load_module(lambda: build_eagle(kind, cfg, extra, jdt, nnx.Rngs(0)), eagle_key, names, lambda n: src.get(names[n]), jdt, progress,
+                       desc=f"loading {os.path.basename(path.rstrip('/'))}", ignore=ignore)
+    graphdef, params = nnx.split(head)
+    dparams = {"draft": params}
+    eagle3 = kind == "EAGLE3"
+    if eagle3:
+        if spec.token_map:
+            logger.warning("speculative_token_map is ignored for EAGLE3 (its draft vocabulary comes from d2t)")
+        capture = eagle3_capture_layers(target.cfg, extra.get("aux_layer_ids"))
+        vocab = extra["draft_vocab_size"]
+    else:
+        capture = ()
+        vocab = target.cfg.vocab_size
+        if spec.token_map:
+            ids = load_token_map(spec.token_map, target.cfg.vocab_size)
+            m = target.model
+            w = m.embed_tokens[...].T if target.cfg.tie_word_embeddings else m.lm_head.kernel[...]
+            dparams["token_map"] = jnp.asarray(ids)
+            dparams["head"] = jnp.asarray(w[:, ids], jdt)
+            vocab = len(ids)
+    prop = EagleProposer(graphdef, cfg, root_in_region=False, shift=1, draft_vocab=vocab, capture_layers=capture, uses_hidden=True, eagle3=eagle3)
+    return prop, dparams
+
+
+
