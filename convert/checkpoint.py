@@ -1,4 +1,5 @@
-"""The jaxspec checkpoint: a directory that is also a valid HF model directory.
+"""The jaxspec checkpoint: a directory that is also a valid HF model directory (or, for an EAGLE
+draft, a valid SGLang draft directory).
 
   config.json         HF config (so transformers can load it too)
   model.safetensors   HF-named tensors in the chosen dtype
@@ -38,13 +39,19 @@ def save_checkpoint(src: Source, out: str, dtype: str = "float32", progress: boo
 
     from jaxspec.config import ModelConfig
 
-    ModelConfig.from_hf(src.config)  # fail before writing anything if unsupported
+    if src.kind == "eagle":
+        from jaxspec.models.eagle import eagle_config
+
+        eagle_config(src.config)  # fail before writing anything if unsupported
+    else:
+        ModelConfig.from_hf(src.config)
     want = np_dtype(dtype)
     tokenizer = src.load_tokenizer()
     os.makedirs(out, exist_ok=True)
     tensors = {}
     for name in tqdm(src.names, desc=f"converting {os.path.basename(src.path.rstrip('/'))}", unit="tensor", disable=not progress):
-        tensors[name] = np.ascontiguousarray(src.get(name).astype(want))
+        t = src.get(name)  # index tables (EAGLE-3 d2t / t2d) keep their integer / bool dtype
+        tensors[name] = np.ascontiguousarray(t.astype(want) if np.issubdtype(t.dtype, np.floating) else t)
     tmp = os.path.join(out, "model.safetensors.tmp")
     save_file(tensors, tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(out, "model.safetensors"))  # never leave a half-written checkpoint
@@ -52,7 +59,8 @@ def save_checkpoint(src: Source, out: str, dtype: str = "float32", progress: boo
     config["torch_dtype"] = dtype
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    tokenizer.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
     with open(os.path.join(out, "jaxspec.json"), "w") as f:
         json.dump({"format_version": FORMAT_VERSION, "source": os.path.abspath(src.path), "source_kind": src.kind, "dtype": dtype}, f, indent=2)
     return out

@@ -1,6 +1,7 @@
 """Checkpoint sources, all seen through one interface: HF-named numpy tensors.
 
   HF directory:  config.json + model.safetensors | model-*.safetensors (+ index) | pytorch_model*.bin
+  EAGLE head:    the same files with a LlamaForCausalLMEagle(3) config (kind "eagle", no tokenizer)
   GGUF file:     llama / qwen2 architectures, any quantisation the `gguf` package dequantises
   (a directory holding exactly one .gguf and no config.json counts as that GGUF file)
 """
@@ -20,7 +21,7 @@ from jaxspec.errors import JaxspecError
 @dataclasses.dataclass
 class Source:
     path: str
-    kind: str  # "hf" | "gguf"
+    kind: str  # "hf" | "gguf" | "eagle"
     config: dict  # HF config.json content
     names: list[str]  # HF tensor names
     get: Callable[[str], np.ndarray]  # name -> numpy array (float)
@@ -42,6 +43,11 @@ def open_source(path: str) -> Source:
             return open_gguf(path)
         raise JaxspecError(f"{path} is a file but not a .gguf; pass an HF/jaxspec directory or a GGUF file")
     if os.path.exists(os.path.join(path, "config.json")):
+        from jaxspec.config import read_json
+        from jaxspec.models.eagle import EAGLE_ARCHS
+
+        if (read_json(os.path.join(path, "config.json")).get("architectures") or [None])[0] in EAGLE_ARCHS:
+            return dataclasses.replace(open_hf_dir(path, check_config=False), kind="eagle", load_tokenizer=lambda: None)
         return open_hf_dir(path)
     ggufs = glob.glob(os.path.join(path, "*.gguf"))
     if len(ggufs) == 1:

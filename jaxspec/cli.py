@@ -22,9 +22,23 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running-requests", type=int, default=8, help="maximum batch size of one compiled decode")
     g.add_argument("--chunked-prefill-size", type=int, default=512, help="prompt tokens per prefill chunk")
     g.add_argument("--attention-backend", default="xla", choices=["xla"], help="attention implementation")
-    g.add_argument("--speculative-algorithm", default=None, help="NONE (plain decoding); EAGLE, EAGLE3, NEXTN, STANDALONE and NGRAM are not implemented yet")
     g.add_argument("--random-seed", type=int, default=0)
     g.add_argument("--log-level", default="warning")
+    s = p.add_argument_group("speculative decoding (SGLang's flags)")
+    s.add_argument("--speculative-algorithm", default=None, help="NONE (default), EAGLE, EAGLE3, NEXTN (= EAGLE) or STANDALONE; NGRAM comes with issue 4")
+    s.add_argument("--speculative-draft-model-path", default=None, help="draft checkpoint: an EAGLE/EAGLE-3 head directory, or any causal LM for STANDALONE ('default' = SmolLM2)")
+    s.add_argument("--speculative-num-steps", type=int, default=None, help="draft forwards per round (auto: 5 for Llama-family EAGLE, else 3)")
+    s.add_argument("--speculative-eagle-topk", type=int, default=None, help="children kept per draft step (auto: 4 for Llama-family EAGLE, else 1)")
+    s.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="tree nodes verified per round, root included (auto: 8 / 4)")
+    s.add_argument("--speculative-accept-threshold-single", type=float, default=1.0, help="accept a draft token whose target probability is at least this (1.0 = lossless)")
+    s.add_argument("--speculative-accept-threshold-acc", type=float, default=1.0, help="relax the cumulative acceptance test by this factor (1.0 = lossless)")
+    s.add_argument("--speculative-token-map", default=None, help="FR-Spec token map (.pt list, .npy or text of token ids) restricting the draft vocabulary")
+    s.add_argument("--speculative-draft-model-revision", default=None, help="accepted for SGLang compatibility (local paths only)")
+    s.add_argument("--speculative-draft-load-format", default=None, help="accepted for SGLang compatibility (detected from the files)")
+
+
+def _spec_kwargs(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k.startswith("speculative_")}
 
 
 def _engine(args):
@@ -34,7 +48,7 @@ def _engine(args):
         model_path=args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype,
         context_length=args.context_length, max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, attention_backend=args.attention_backend,
-        speculative_algorithm=args.speculative_algorithm, random_seed=args.random_seed, log_level=args.log_level,
+        random_seed=args.random_seed, log_level=args.log_level, **_spec_kwargs(args),
     )
 
 
@@ -76,7 +90,8 @@ def cmd_generate(args) -> int:
     else:
         print(out["text"])
         m = out["meta_info"]
-        print(f"[{m['completion_tokens']} tokens, {m['e2e_latency']:.2f}s, finish={m['finish_reason']['type']}]", file=sys.stderr)
+        print(f"[{m['completion_tokens']} tokens, {m['e2e_latency']:.2f}s, finish={m['finish_reason']['type']}, "
+              f"accept length {m['spec_accept_length']:.2f}]", file=sys.stderr)
     return 0
 
 
@@ -97,6 +112,13 @@ def _interactive(args, sp) -> int:
         history.append({"role": "assistant", "content": out["text"]})
         m = out["meta_info"]
         print(f"bot> {out['text']}\n     [{m['completion_tokens']} tokens in {m['e2e_latency']:.2f}s]", flush=True)
+
+
+def cmd_bench(args) -> int:
+    from jaxspec.bench import run_sweep
+
+    run_sweep(args)
+    return 0
 
 
 def cmd_not_yet(name: str, issue: str):
@@ -142,8 +164,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (not yet: issue 5)")
     sv.set_defaults(func=cmd_not_yet("serve", "issue 5"))
-    b = sub.add_parser("bench", help="speculative decoding sweep (not yet: issue 2)")
-    b.set_defaults(func=cmd_not_yet("bench", "issue 2"))
+    b = sub.add_parser("bench", help="bench_speculative-style sweep: batch size x steps x topk x draft tokens")
+    b.add_argument("--batch-size", type=int, nargs="+", default=[1], help="batch sizes to sweep")
+    b.add_argument("--steps", type=int, nargs="+", default=None, help="speculative_num_steps values (default: the auto choice)")
+    b.add_argument("--topk", type=int, nargs="+", default=None, help="speculative_eagle_topk values")
+    b.add_argument("--num-draft-tokens", type=int, nargs="+", default=None, help="speculative_num_draft_tokens values")
+    b.add_argument("--prompts", type=int, default=8, help="MT-bench first-turn questions to run (chat template applied)")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--baseline", action="store_true", help="also run plain decoding and report the speedup")
+    b.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    _add_model_args(b)
+    b.set_defaults(func=cmd_bench)
     return p
 
 

@@ -197,6 +197,7 @@ class SpecConfig:
         token_map: str | None = None,
         draft_model_revision: str | None = None,
         draft_load_format: str | None = None,
+        warn: bool = True,
     ) -> "SpecConfig":
         import logging
 
@@ -224,7 +225,9 @@ class SpecConfig:
         if num_steps < 1 or eagle_topk < 1 or num_draft_tokens < 2:
             raise JaxspecError("need speculative_num_steps >= 1, speculative_eagle_topk >= 1 and speculative_num_draft_tokens >= 2")
         if eagle_topk == 1 and num_draft_tokens != num_steps + 1:
-            log.warning("speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 = %d when speculative_eagle_topk == 1", num_steps + 1)
+            if warn:
+                msg = "speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 = %d when speculative_eagle_topk == 1"
+                log.warning(msg, num_steps + 1)
             num_draft_tokens = num_steps + 1
         if num_draft_tokens > 1 + num_steps * eagle_topk:
             raise JaxspecError(

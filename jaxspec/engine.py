@@ -73,7 +73,7 @@ class Engine:
             accept_threshold_acc=speculative_accept_threshold_acc, token_map=speculative_token_map,
             draft_model_revision=speculative_draft_model_revision, draft_load_format=speculative_draft_load_format,
         )
-        SpecConfig.resolve(speculative_algorithm, None, **spec_args)  # fail fast on bad flags, before loading
+        SpecConfig.resolve(speculative_algorithm, None, warn=False, **spec_args)  # fail fast on bad flags, before loading
         if attention_backend != "xla":
             raise JaxspecError(f"unknown attention_backend {attention_backend!r}; available: xla")
         if max_running_requests < 1 or chunked_prefill_size < 1:

@@ -52,7 +52,21 @@ def test_user_errors_are_one_line(args, match):
     assert len([ln for ln in r.stderr.splitlines() if ln.startswith("jaxspec: error")]) == 1
 
 
-@pytest.mark.parametrize("sub", ["serve", "bench"])
-def test_placeholders_say_not_yet(sub):
-    r = run(sub)
+def test_serve_placeholder_says_not_yet():
+    r = run("serve")
     assert r.returncode == 2 and "not yet" in r.stderr
+
+
+@pytest.mark.slow
+def test_bench_sweep(tmp_path):
+    r = run("bench", "--prompts", "1", "--max-new-tokens", "8", "--baseline", "--speculative-algorithm", "STANDALONE",
+            "--speculative-draft-model-path", "default", "--json", str(tmp_path / "rows.json"))
+    assert r.returncode == 0, r.stderr
+    rows = json.load(open(tmp_path / "rows.json"))
+    assert [x["algorithm"] for x in rows] == ["NONE", "STANDALONE"]
+    assert rows[1]["accept_length"] > 2.0 and rows[1]["tokens_per_s"] > 0  # self-draft accepts (nearly) everything
+
+
+def test_bench_rejects_partial_knobs():
+    r = run("bench", "--steps", "3", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "x")
+    assert r.returncode == 2 and "all three" in r.stderr

@@ -179,3 +179,21 @@ def test_sampling_matches_target_distribution(models, algo, draft):
     lossy = engine(models, algo, draft, (3, 2, 6), max_running_requests=512,
                    speculative_accept_threshold_single=0.05, speculative_accept_threshold_acc=0.3)
     assert chi2_pvalue(sample_pairs(lossy, prompt, n, temp), probs) < 1e-3
+
+
+def test_convert_eagle_bin_checkpoint(models, plain, tmp_path):
+    """An EAGLE-3 head shipped as pytorch_model.bin converts to safetensors and loads the same."""
+    import shutil
+
+    from safetensors.numpy import load_file
+
+    from convert.checkpoint import convert
+
+    src = tmp_path / "bin"
+    src.mkdir()
+    shutil.copy(f"{models['eagle3']}/config.json", src)
+    torch.save({k: torch.from_numpy(v) for k, v in load_file(f"{models['eagle3']}/model.safetensors").items()}, src / "pytorch_model.bin")
+    out = convert(str(src), str(tmp_path / "out"), progress=False)
+    models = dict(models, converted=out)
+    eng = engine(models, "EAGLE3", "converted", (3, 2, 6))
+    assert [r["output_ids"] for r in eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == [plain[len(p)] for p in PROMPTS]

