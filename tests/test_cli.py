@@ -70,3 +70,27 @@ def test_bench_sweep(tmp_path):
 def test_bench_rejects_partial_knobs():
     r = run("bench", "--steps", "3", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "x")
     assert r.returncode == 2 and "all three" in r.stderr
+
+
+@pytest.mark.slow
+def test_train_draft_cli(tmp_path):
+    chats = [{"messages": [{"role": "user", "content": f"Count to {i}."}, {"role": "assistant", "content": " ".join(map(str, range(1, i + 2)))}]}
+             for i in range(6)]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(json.dumps(c) for c in chats))
+    out = tmp_path / "head"
+    r = run("train-draft", "--data", str(data), "--num-samples", "5", "--eval-samples", "1", "--steps", "3", "--batch-size", "2",
+            "--max-len", "64", "--draft-vocab-size", "256", "--ttt-steps", "2", "--save-every", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    for f in ("config.json", "model.safetensors", "train_log.json", "loss.svg", "eval.json"):
+        assert (out / f).exists(), f
+    assert json.load(open(out / "config.json"))["architectures"] == ["LlamaForCausalLMEagle3"]
+    r = run("generate", "--prompt", "1 2 3", "--max-new-tokens", "4", "--json", "--speculative-algorithm", "EAGLE3",
+            "--speculative-draft-model-path", str(out))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["meta_info"]["spec_verify_ct"] >= 1
+
+
+def test_train_draft_bad_data(tmp_path):
+    r = run("train-draft", "--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "not found" in r.stderr

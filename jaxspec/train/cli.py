@@ -41,10 +41,17 @@ def run(args) -> int:
 
     path = resolve_model_path(args.model_path)
     target = load(path, "float32")
-    convs = load_conversations(args.data, args.num_samples + args.eval_samples)
-    if args.regenerate:
-        eng = Engine(_loaded=target, max_running_requests=16, show_progress=False)
-        convs = regenerate(eng, convs, args.regen_max_new_tokens, batch=16, max_prompt_tokens=args.max_len - args.regen_max_new_tokens)
+    os.makedirs(args.out, exist_ok=True)
+    cached = os.path.join(args.out, "train_data.jsonl")  # regenerated chats are kept so that a resumed run reuses them
+    if args.regenerate and os.path.exists(cached):
+        convs = load_conversations(cached)
+    else:
+        convs = load_conversations(args.data, args.num_samples + args.eval_samples)
+        if args.regenerate:
+            eng = Engine(_loaded=target, max_running_requests=16, show_progress=False)
+            convs = regenerate(eng, convs, args.regen_max_new_tokens, batch=16, max_prompt_tokens=args.max_len - args.regen_max_new_tokens)
+            with open(cached, "w") as f:
+                f.writelines(json.dumps({"messages": c}) + "\n" for c in convs)
     examples = [e for e in (tokenize(target.tokenizer, c, args.max_len) for c in convs) if sum(e.mask) > 0]
     if len(examples) <= args.eval_samples:
         raise JaxspecError(f"only {len(examples)} usable conversations; need more than --eval-samples={args.eval_samples}")

@@ -57,13 +57,8 @@ def load_conversations(source: str, limit: int | None = None) -> list[list[dict]
     path = sharegpt_path() if source == "sharegpt" else source
     if not os.path.exists(path):
         raise JaxspecError(f"training data not found: {path}")
-    with open(path) as f:
-        if path.endswith(".jsonl"):
-            raw = [json.loads(line) for line in f if line.strip()]
-        else:
-            raw = json.load(f)
     convs = []
-    for c in raw:
+    for c in _records(path):
         m = _normalise(c)
         if m:
             convs.append(m)
@@ -72,6 +67,37 @@ def load_conversations(source: str, limit: int | None = None) -> list[list[dict]
     if not convs:
         raise JaxspecError(f"no usable conversations in {path}")
     return convs
+
+
+def _records(path: str):
+    """Yields the objects of a .jsonl file, or of a JSON array read incrementally, so that a limit
+    stops parsing early and a truncated array (the ShareGPT package's file ends mid-record) still
+    gives every complete record before the cut."""
+    with open(path) as f:
+        if path.endswith(".jsonl"):
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        yield json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise JaxspecError(f"{path}:{n}: not valid JSON: {e}") from None
+            return
+        text = f.read()
+    dec = json.JSONDecoder()
+    i = text.find("[")
+    if i < 0:
+        raise JaxspecError(f"{path}: expected a JSON array of conversations (or use .jsonl)")
+    i += 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # truncated tail
+        yield obj
 
 
 def tokenize(tokenizer, messages: list[dict], max_len: int) -> Example:

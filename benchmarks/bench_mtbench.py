@@ -1,0 +1,100 @@
+"""MT-bench (first turns), plain decoding vs speculative drafts, side by side in one run.
+
+    python benchmarks/bench_mtbench.py --draft EAGLE3=path/to/head [--draft EAGLE=path] \\
+        [--questions 80] [--max-new-tokens 128] [--temperatures 0 1] [--batch-size 1]
+
+For every temperature it runs plain decoding and each draft over the same questions (chat template,
+warm-up pass first so that compilation is not timed) and prints accept length (tokens per
+verification round, bonus included), tokens/s and speedup over plain; it writes an accept-length
+histogram (SVG) per draft next to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from common import machine, mtbench_first_turns
+
+
+def run(eng, ids, sp, bs):
+    for s in range(0, len(ids), bs):  # warm-up: compile every shape bucket
+        eng.generate(input_ids=ids[s : s + bs], sampling_params=sp)
+    tokens = verify = 0
+    hist = None
+    t = time.perf_counter()
+    for s in range(0, len(ids), bs):
+        for r in eng.generate(input_ids=ids[s : s + bs], sampling_params=sp):
+            m = r["meta_info"]
+            tokens += m["completion_tokens"]
+            verify += m["spec_verify_ct"]
+            h = m.get("spec_accept_histogram")
+            if h is not None:
+                hist = h if hist is None else [a + b for a, b in zip(hist, h)]
+    return tokens, verify, time.perf_counter() - t, hist
+
+
+def histogram_svg(hist, title, path, width=480, height=260):
+    pad, n = 40, len(hist)
+    top = max(hist) or 1
+    bw = (width - 2 * pad) / n
+    bars = "".join(
+        f'<rect x="{pad + i * bw + 2:.1f}" y="{height - pad - (height - 2 * pad) * c / top:.1f}" width="{bw - 4:.1f}" '
+        f'height="{(height - 2 * pad) * c / top:.1f}" fill="#2471a3"/><text x="{pad + (i + 0.5) * bw:.1f}" y="{height - pad + 15}" '
+        f'text-anchor="middle">{i + 1}</text>'
+        for i, c in enumerate(hist)
+    )
+    with open(path, "w") as f:
+        f.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">'
+                f'<rect width="100%" height="100%" fill="white"/>{bars}<text x="{pad}" y="20">{title}</text>'
+                f'<text x="{width / 2}" y="{height - 5}" text-anchor="middle">tokens emitted per round</text></svg>')
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--draft", action="append", default=[], help="ALGO=PATH (repeatable), e.g. EAGLE3=drafts/smollm2-eagle3")
+    ap.add_argument("--questions", type=int, default=80)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--out", default="benchmarks/out")
+    args = ap.parse_args()
+
+    import jaxspec
+    from jaxspec.loader import load
+
+    os.makedirs(args.out, exist_ok=True)
+    loaded = load(None, "float32", progress=False)
+    plain = jaxspec.Engine(_loaded=loaded, max_running_requests=args.batch_size, show_progress=False)
+    qs = mtbench_first_turns(args.questions)
+    ids = [plain._encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in qs]
+    engines = [("NONE", plain)]
+    for d in args.draft:
+        algo, path = d.split("=", 1)
+        engines.append((algo, jaxspec.Engine(_loaded=loaded, max_running_requests=args.batch_size, show_progress=False,
+                                             speculative_algorithm=algo, speculative_draft_model_path=path)))
+    print(f"machine: {machine()}")
+    print(f"SmolLM2-135M-Instruct float32, {len(ids)} MT-bench first turns, max {args.max_new_tokens} new tokens, batch {args.batch_size}")
+    print("| temperature | algorithm | accept length | tok/s | speedup |")
+    print("|---|---|---|---|---|")
+    rows = []
+    for temp in args.temperatures:
+        sp = {"temperature": temp, "max_new_tokens": args.max_new_tokens, "seed": 0} if temp > 0 else {"temperature": 0, "max_new_tokens": args.max_new_tokens}
+        base = None
+        for algo, eng in engines:
+            tokens, verify, dt, hist = run(eng, ids, sp, args.batch_size)
+            tps = tokens / dt
+            base = base or tps
+            acc = tokens / max(verify, 1)
+            rows.append(dict(temperature=temp, algorithm=algo, accept_length=acc, tokens_per_s=tps, speedup=tps / base, histogram=hist))
+            print(f"| {temp:g} | {algo} | {acc:.2f} | {tps:.1f} | {tps / base:.2f} |", flush=True)
+            if hist:
+                histogram_svg(hist, f"{algo}, T={temp:g}: accept length {acc:.2f}", os.path.join(args.out, f"accept_hist_{algo}_T{temp:g}.svg"))
+    with open(os.path.join(args.out, "mtbench.json"), "w") as f:
+        json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
