@@ -21,6 +21,32 @@ from jaxspec.sampling import SamplingTensors, sample
 RUNNING, STOPPED, LENGTH = 0, 1, 2
 
 
+def pick_rows(x, idx):
+    """x: [B, T, ...], idx: [B] -> x[b, idx[b]]: [B, ...]."""
+    return jnp.take_along_axis(x, idx.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
+
+
+def target_prefill(model, cache: KVCache, tokens, start, prompt_lens, capture_layers=(), backend="xla"):
+    """The target's forward over one prefill chunk (tokens [B, C] at positions start + t).
+
+    Returns (h [B, C, H], captured, cache with lengths = min(prompt_lens, start + C), keep) where
+    keep(x [B, C, ...], prev [B, ...]) replaces prev by each slot's last-prompt-token row of x when
+    that token falls in this chunk."""
+    b, c = tokens.shape
+    cache = dataclasses.replace(cache, lengths=jnp.full((b,), start, jnp.int32))
+    positions = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
+    h, cache, cap = model(tokens, positions, cache, capture_layers=capture_layers, backend=backend)
+    cache = dataclasses.replace(cache, lengths=jnp.minimum(prompt_lens, start + c))
+    idx = prompt_lens - 1 - start  # index of the last prompt token inside this chunk
+    in_chunk = ((idx >= 0) & (idx < c))[:, None]
+    cidx = jnp.clip(idx, 0, c - 1)
+
+    def keep(x, prev):
+        return jnp.where(in_chunk, pick_rows(x, cidx).astype(prev.dtype), prev)
+
+    return h, cap, cache, keep
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "backend"), donate_argnames=("cache",))
 def prefill_chunk(graphdef, params, cache: KVCache, tokens, start, prompt_lens, last_h, backend="xla"):
     """Runs one prefill chunk for all slots.
@@ -28,17 +54,8 @@ def prefill_chunk(graphdef, params, cache: KVCache, tokens, start, prompt_lens, 
     tokens: [B, C] int32, the prompt tokens at positions [start, start + C) (padding past the end).
     start: scalar int32; prompt_lens: [B]; last_h: [B, H] hidden state of each slot's last prompt
     token so far (updated when it falls in this chunk). Returns (cache, last_h)."""
-    model = nnx.merge(graphdef, params)
-    b, c = tokens.shape
-    cache = dataclasses.replace(cache, lengths=jnp.full((b,), start, jnp.int32))
-    positions = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
-    h, cache, _ = model(tokens, positions, cache, backend=backend)
-    idx = prompt_lens - 1 - start  # index of the last prompt token inside this chunk
-    in_chunk = (idx >= 0) & (idx < c)
-    picked = jnp.take_along_axis(h, jnp.clip(idx, 0, c - 1)[:, None, None], axis=1)[:, 0]
-    last_h = jnp.where(in_chunk[:, None], picked.astype(last_h.dtype), last_h)
-    cache = dataclasses.replace(cache, lengths=jnp.minimum(prompt_lens, start + c))
-    return cache, last_h
+    h, _, cache, keep = target_prefill(nnx.merge(graphdef, params), cache, tokens, start, prompt_lens, backend=backend)
+    return cache, keep(h, last_h)
 
 
 @jax.tree_util.register_dataclass

@@ -20,10 +20,10 @@ from flax import nnx
 
 from jaxspec.cache import KVCache
 from jaxspec.config import SpecConfig
-from jaxspec.decode import LENGTH, RUNNING, STOPPED
+from jaxspec.decode import LENGTH, RUNNING, STOPPED, target_prefill
 from jaxspec.sampling import SamplingTensors, sample
 from jaxspec.spec import tree as tree_lib
-from jaxspec.spec.proposers.base import DraftState, Proposer, pick_rows
+from jaxspec.spec.proposers.base import DraftState, Proposer
 from jaxspec.spec.verify import verify
 
 
@@ -34,18 +34,11 @@ def spec_prefill_chunk(graphdef, params, prop: Proposer, dparams, cache: KVCache
     the same entries (prompt shifted by `prop.shift`). last_h [B, H] / last_feat [B, F]: the target
     hidden and draft feature of each slot's last prompt token (updated when it is in this chunk)."""
     tgt = nnx.merge(graphdef, params)
-    b, c = tokens.shape
-    cache = dataclasses.replace(cache, lengths=jnp.full((b,), start, jnp.int32))
-    pos = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
-    h, cache, cap = tgt(tokens, pos, cache, capture_layers=prop.capture_layers, backend=backend)
+    h, cap, cache, keep = target_prefill(tgt, cache, tokens, start, prompt_lens, prop.capture_layers, backend)
     feats = prop.features(h, cap)
-    idx = prompt_lens - 1 - start
-    in_chunk = ((idx >= 0) & (idx < c))[:, None]
-    cidx = jnp.clip(idx, 0, c - 1)
-    last_h = jnp.where(in_chunk, pick_rows(h, cidx).astype(last_h.dtype), last_h)
+    last_h = keep(h, last_h)
     if feats is not None:
-        last_feat = jnp.where(in_chunk, pick_rows(feats, cidx).astype(last_feat.dtype), last_feat)
-    cache = dataclasses.replace(cache, lengths=jnp.minimum(prompt_lens, start + c))
+        last_feat = keep(feats, last_feat)
     dcache = prop.prefill_chunk(dparams, tgt, dcache, dtokens, feats, start, prompt_lens - prop.shift)
     return cache, dcache, last_h, last_feat
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import KVCache
@@ -67,11 +66,6 @@ class Proposer:
     def to_target(self, dparams, ids):
         tm = dparams.get("token_map")
         return ids if tm is None else tm[ids]
-
-
-def pick_rows(x, idx):
-    """x: [B, T, ...], idx: [B] -> [B, ...]."""
-    return jnp.take_along_axis(x, idx.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
 
 
 def load_token_map(path: str, vocab_size: int) -> np.ndarray:

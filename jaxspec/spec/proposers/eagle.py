@@ -18,7 +18,8 @@ from flax import nnx
 
 from jaxspec.cache import KVCache
 from jaxspec.errors import JaxspecError
-from jaxspec.spec.proposers.base import DraftState, Proposer, load_token_map, pick_rows
+from jaxspec.decode import pick_rows
+from jaxspec.spec.proposers.base import DraftState, Proposer, load_token_map
 
 logger = logging.getLogger("jaxspec")
 
