@@ -198,11 +198,16 @@ class SpecConfig:
         draft_model_revision: str | None = None,
         draft_load_format: str | None = None,
         warn: bool = True,
+        bundled: tuple[str, str] | None = None,
     ) -> "SpecConfig":
+        """bundled: (algorithm, draft path) shipped for this target (jaxspec.drafts). It is used when
+        algorithm is unset (None), or is that algorithm without a draft path; "NONE" turns it off."""
         import logging
 
         log = logging.getLogger("jaxspec")
-        algo = (algorithm or "NONE").upper()
+        if algorithm is None:
+            algorithm = bundled[0] if bundled else "NONE"
+        algo = algorithm.upper()
         if algo not in SPEC_ALGORITHMS:
             raise JaxspecError(f"unknown speculative_algorithm {algorithm!r}; choose one of {', '.join(SPEC_ALGORITHMS)}")
         if algo == "NEXTN":  # SGLang treats NEXTN as EAGLE
@@ -211,6 +216,8 @@ class SpecConfig:
             return cls()
         if algo == "NGRAM":
             raise JaxspecError("speculative_algorithm=NGRAM is not implemented yet (issue 4)")
+        if draft_model_path is None and bundled and bundled[0] == algo:
+            draft_model_path = bundled[1]
         if draft_model_path is None:
             raise JaxspecError(f"speculative_algorithm={algo} needs speculative_draft_model_path")
         knobs = (num_steps, eagle_topk, num_draft_tokens)

@@ -73,7 +73,9 @@ class Engine:
             accept_threshold_acc=speculative_accept_threshold_acc, token_map=speculative_token_map,
             draft_model_revision=speculative_draft_model_revision, draft_load_format=speculative_draft_load_format,
         )
-        SpecConfig.resolve(speculative_algorithm, None, warn=False, **spec_args)  # fail fast on bad flags, before loading
+        # Fail fast on bad flags, before loading (a shipped draft may still supply the EAGLE3 draft path).
+        early = ("EAGLE3", "<shipped draft>") if str(speculative_algorithm).upper() == "EAGLE3" else None
+        SpecConfig.resolve(speculative_algorithm, None, warn=False, bundled=early, **spec_args)
         if attention_backend != "xla":
             raise JaxspecError(f"unknown attention_backend {attention_backend!r}; available: xla")
         if max_running_requests < 1 or chunked_prefill_size < 1:
@@ -91,7 +93,9 @@ class Engine:
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.backend = attention_backend
-        self.spec = SpecConfig.resolve(speculative_algorithm, self.cfg, **spec_args)
+        from jaxspec.drafts import bundled_draft_for
+
+        self.spec = SpecConfig.resolve(speculative_algorithm, self.cfg, bundled=bundled_draft_for(_loaded.path, self.cfg), **spec_args)
         self.speculative_algorithm = self.spec.algorithm
         self.proposer = self.dparams = None
         if self.spec.enabled:

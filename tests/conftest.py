@@ -69,7 +69,7 @@ def tiny_model(family="llama", seed=0, **overrides):
 def default_engine():
     import jaxspec
 
-    return jaxspec.Engine(show_progress=False)
+    return jaxspec.Engine(show_progress=False, speculative_algorithm="NONE")  # the plain reference
 
 
 @pytest.fixture(scope="session")

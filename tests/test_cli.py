@@ -75,13 +75,15 @@ def test_bench_rejects_partial_knobs():
 @pytest.mark.slow
 def test_train_draft_cli(tmp_path):
     chats = [{"messages": [{"role": "user", "content": f"Count to {i}."}, {"role": "assistant", "content": " ".join(map(str, range(1, i + 2)))}]}
-             for i in range(6)]
+             for i in range(9)]
     data = tmp_path / "chats.jsonl"
     data.write_text("\n".join(json.dumps(c) for c in chats))
     out = tmp_path / "head"
     r = run("train-draft", "--data", str(data), "--num-samples", "5", "--eval-samples", "1", "--steps", "3", "--batch-size", "2",
-            "--max-len", "64", "--draft-vocab-size", "256", "--ttt-steps", "2", "--save-every", "2", "--out", str(out))
+            "--max-len", "64", "--draft-vocab-size", "256", "--ttt-steps", "2", "--save-every", "2", "--out", str(out),
+            "--mix-original", "3", "--mix-data", str(data))
     assert r.returncode == 0, r.stderr
+    assert "8 training conversations" in r.stdout  # 5 + 1 read, 1 held out, 3 mixed in
     for f in ("config.json", "model.safetensors", "train_log.json", "loss.svg", "eval.json"):
         assert (out / f).exists(), f
     assert json.load(open(out / "config.json"))["architectures"] == ["LlamaForCausalLMEagle3"]

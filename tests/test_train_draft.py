@@ -91,3 +91,45 @@ def test_chat_data_and_masks(default_engine, tmp_path):
     assert "Hi there" not in text and "Tell me a joke" not in text
     vocab = draft_vocab([ex], 8, 49152, always=[2])
     assert 2 in vocab and len(vocab) == 8
+
+
+def test_regeneration_is_cached_and_resumes(default_engine, tmp_path):
+    from jaxspec.train.data import regenerate
+
+    class Counting:  # the real engine, counting the conversations it is asked to answer
+        def __init__(self, eng):
+            self.eng, self.asked = eng, 0
+
+        def __getattr__(self, name):
+            return getattr(self.eng, name)
+
+        def chat(self, msgs, sp):
+            self.asked += len(msgs)
+            return self.eng.chat(msgs, sp)
+
+    convs = [[{"role": "user", "content": f"Say the number {i}."}, {"role": "assistant", "content": "old answer"}] for i in range(3)]
+    cache = str(tmp_path / "regen.jsonl")
+    eng = Counting(default_engine)
+    first = regenerate(eng, convs[:2], 6, batch=2, cache_path=cache)
+    assert eng.asked == 2 and len(first) == 2 and all(c[-1]["content"] != "old answer" for c in first)
+    again = regenerate(eng, convs, 6, batch=2, cache_path=cache)  # only the third conversation is new
+    assert eng.asked == 3 and again[:2] == first and len(again) == 3
+    assert [json.loads(line)["src"] for line in open(cache)] == [0, 1, 2]
+
+
+def test_length_bucketed_batches(target, tmp_path):
+    _, loaded, cfg_dict, _ = target
+    rng = np.random.default_rng(1)
+    examples = [Example(list(rng.integers(0, V, n)), [1] * n) for n in rng.integers(3, 300, 40)]
+    cfg = TrainConfig(algorithm="EAGLE3", steps=25, batch_size=4, max_len=256, draft_vocab_size=48)
+    tr = Trainer(loaded, cfg_dict, examples, cfg, str(tmp_path), progress=False)
+    seen = list(tr._batches())
+    assert [s for s, _ in seen] == list(range(25))
+    for _, (ids, mask) in seen:
+        assert ids.shape[1] in (128, 256) and mask.shape == ids.shape
+        n = mask.sum(1)
+        assert n.max() > ids.shape[1] - 128 or ids.shape[1] == 128  # padded to the smallest bucket that fits
+    epoch = np.concatenate([mask.sum(1) for _, (_, mask) in seen[:10]])
+    assert sorted(epoch) == sorted(min(len(e.ids), 256) for e in examples)  # one epoch = every example once
+    tr.step = 7  # a resumed run continues with the same batches
+    assert all((a[1][0] == b[1][0]).all() for a, b in zip(tr._batches(), seen[7:]))

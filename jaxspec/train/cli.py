@@ -16,7 +16,14 @@ def add_parser(sub) -> None:
     t.add_argument("--num-samples", type=int, default=2000, help="conversations to use")
     t.add_argument("--eval-samples", type=int, default=32, help="held-out conversations for the before/after evaluation")
     t.add_argument("--regenerate", action="store_true", help="replace the answers by the target's own greedy answers (self-distillation)")
+    t.add_argument("--mix-original", type=int, default=0,
+                   help="also train on this many further conversations with their original answers (the loss still "
+                        "follows the target's own next-token distribution, so they add contexts at no generation cost); "
+                        "taken from --mix-data after its first --num-samples + --eval-samples conversations")
+    t.add_argument("--mix-data", default="sharegpt", help="source of the --mix-original conversations")
     t.add_argument("--regen-max-new-tokens", type=int, default=256)
+    t.add_argument("--regen-batch-size", type=int, default=32, help="conversations answered per batch while regenerating")
+    t.add_argument("--data-only", action="store_true", help="stop after preparing (regenerating) the data; a later run trains on it")
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--batch-size", type=int, default=4)
     t.add_argument("--max-len", type=int, default=512, help="tokens per training sequence (longer chats are cut)")
@@ -42,20 +49,22 @@ def run(args) -> int:
     path = resolve_model_path(args.model_path)
     target = load(path, "float32")
     os.makedirs(args.out, exist_ok=True)
-    cached = os.path.join(args.out, "train_data.jsonl")  # regenerated chats are kept so that a resumed run reuses them
-    if args.regenerate and os.path.exists(cached):
-        convs = load_conversations(cached)
-    else:
-        convs = load_conversations(args.data, args.num_samples + args.eval_samples)
-        if args.regenerate:
-            eng = Engine(_loaded=target, max_running_requests=16, show_progress=False)
-            convs = regenerate(eng, convs, args.regen_max_new_tokens, batch=16, max_prompt_tokens=args.max_len - args.regen_max_new_tokens)
-            with open(cached, "w") as f:
-                f.writelines(json.dumps({"messages": c}) + "\n" for c in convs)
+    n_main = args.num_samples + args.eval_samples
+    convs = load_conversations(args.data, n_main)
+    originals = load_conversations(args.mix_data, n_main + args.mix_original)[n_main:] if args.mix_original else []
+    if args.regenerate:
+        # OUT/train_data.jsonl grows batch by batch, so an interrupted (or --data-only) run resumes where it stopped.
+        eng = Engine(_loaded=target, max_running_requests=args.regen_batch_size, show_progress=False)
+        convs = regenerate(eng, convs, args.regen_max_new_tokens, batch=args.regen_batch_size,
+                           max_prompt_tokens=args.max_len - args.regen_max_new_tokens, cache_path=os.path.join(args.out, "train_data.jsonl"))
+    if args.data_only:
+        print(f"{len(convs)} conversations ready in {args.out}")
+        return 0
     examples = [e for e in (tokenize(target.tokenizer, c, args.max_len) for c in convs) if sum(e.mask) > 0]
     if len(examples) <= args.eval_samples:
         raise JaxspecError(f"only {len(examples)} usable conversations; need more than --eval-samples={args.eval_samples}")
     held, train = examples[: args.eval_samples], examples[args.eval_samples :]
+    train += [e for e in (tokenize(target.tokenizer, c, args.max_len) for c in originals) if sum(e.mask) > 0]
     cfg = TrainConfig(algorithm=args.speculative_algorithm, steps=args.steps, batch_size=args.batch_size, max_len=args.max_len,
                       lr=args.lr, warmup=args.warmup, clip=args.clip, ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
                       save_every=args.save_every, seed=args.seed)

@@ -117,22 +117,48 @@ def tokenize(tokenizer, messages: list[dict], max_len: int) -> Example:
     return Example(ids[:max_len], mask[:max_len])
 
 
-def regenerate(engine, convs: list[list[dict]], max_new_tokens: int, batch: int = 8, max_prompt_tokens: int = 256) -> list[list[dict]]:
+def regenerate(engine, convs: list[list[dict]], max_new_tokens: int, batch: int = 8, max_prompt_tokens: int = 256,
+               cache_path: str | None = None) -> list[list[dict]]:
     """Replaces each conversation by (its system/first user turn, the target's own greedy answer).
-    Conversations whose first turn is longer than max_prompt_tokens are dropped."""
-    out = []
-    firsts = []
-    for c in convs:
+    Conversations whose first turn is longer than max_prompt_tokens are dropped.
+
+    With `cache_path` (a .jsonl), every finished batch is appended at once, each line tagged with the
+    index of its source conversation, and a rerun skips the sources already done: an interrupted
+    regeneration loses at most one batch."""
+    done: set[int] = set()
+    out: list[list[dict]] = []
+    if cache_path and os.path.exists(cache_path):
+        for rec in _records(cache_path):
+            done.add(int(rec.get("src", -1)))
+            if rec.get("messages"):
+                out.append(rec["messages"])
+    todo = []
+    for n, c in enumerate(convs):
+        if n in done:
+            continue
         k = next(i for i, m in enumerate(c) if m["role"] == "user")
         if len(engine._encode(engine.apply_chat_template(c[: k + 1]), False)) <= max_prompt_tokens:
-            firsts.append(c[: k + 1])
-    for s in tqdm(range(0, len(firsts), batch), desc="regenerating answers with the target", unit="batch"):
-        chunk = firsts[s : s + batch]
-        res = engine.chat(chunk, {"temperature": 0, "max_new_tokens": max_new_tokens})
-        for msgs, r in zip(chunk, res):
-            if r["text"].strip():
-                out.append(msgs + [{"role": "assistant", "content": r["text"]}])
+            todo.append((n, c[: k + 1]))
+        elif cache_path:
+            done.add(n)  # too long: recorded as done (without messages) so that a rerun does not re-check it
+            _append(cache_path, {"src": n, "messages": None})
+    for s in tqdm(range(0, len(todo), batch), desc="regenerating answers with the target", unit="batch"):
+        chunk = todo[s : s + batch]
+        res = engine.chat([m for _, m in chunk], {"temperature": 0, "max_new_tokens": max_new_tokens})
+        recs = []
+        for (n, msgs), r in zip(chunk, res):
+            full = msgs + [{"role": "assistant", "content": r["text"]}] if r["text"].strip() else None
+            if full:
+                out.append(full)
+            recs.append({"src": n, "messages": full})
+        if cache_path:
+            _append(cache_path, *recs)
     return out
+
+
+def _append(path: str, *records: dict) -> None:
+    with open(path, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
 
 
 def pad_batch(examples: list[Example], length: int) -> tuple[np.ndarray, np.ndarray]:

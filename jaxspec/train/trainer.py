@@ -28,6 +28,9 @@ from jaxspec.train.data import Example, draft_vocab, pad_batch
 from jaxspec.train.losses import eagle2_loss, eagle3_ttt_loss
 
 
+LENGTH_BUCKET = 128  # training batches are padded to a multiple of this (at most max_len)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     algorithm: str = "EAGLE3"  # or "EAGLE"
@@ -76,6 +79,11 @@ class Trainer:
         head = build_eagle(kind, dcfg, extra, jnp.float32, nnx.Rngs(cfg.seed))
         if self.ids is not None:
             head.d2t[...] = jnp.asarray(self.ids - np.arange(len(self.ids)), jnp.int32)
+            # Warm start: the draft's output norm and LM head begin as the target's own (restricted to
+            # the draft vocabulary), so the draft starts out speaking in the target's hidden space.
+            w = target.model.embed_tokens[...] if target.model.lm_head is None else target.model.lm_head.kernel[...].T
+            head.lm_head.kernel[...] = jnp.asarray(w[jnp.asarray(self.ids)].T, jnp.float32)
+            head.norm.weight[...] = jnp.array(target.model.norm.weight[...], jnp.float32, copy=True)  # own buffer: params are donated
         self.graphdef, self.params, self.rest = nnx.split(head, nnx.Param, ...)
         self.capture = eagle3_capture_layers(tcfg) if kind == "EAGLE3" else ()
         sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1), cfg.lr * 0.1)
@@ -132,11 +140,23 @@ class Trainer:
     # ---- loop -------------------------------------------------------------------------------------
 
     def _batches(self):
+        """(step, (ids, mask)) from `self.step` on. Each epoch shuffles the examples, groups them into
+        batches of similar length and pads each batch only to its length bucket (a multiple of
+        LENGTH_BUCKET, so a handful of shapes compile), then shuffles the batch order. The order
+        depends only on the seed, so a resumed run sees the same batches."""
         rng = np.random.default_rng(self.cfg.seed)
-        order = np.concatenate([rng.permutation(len(self.examples)) for _ in range(self.cfg.steps * self.cfg.batch_size // len(self.examples) + 2)])
+        bs = self.cfg.batch_size
+        lens = np.asarray([min(len(e.ids), self.cfg.max_len) for e in self.examples])
+        batches: list[np.ndarray] = []
+        while len(batches) < self.cfg.steps:
+            perm = rng.permutation(len(self.examples))
+            perm = perm[np.argsort(lens[perm], kind="stable")]
+            epoch = [perm[i : i + bs] for i in range(0, len(perm) - bs + 1, bs)] or [perm]
+            batches += [epoch[i] for i in rng.permutation(len(epoch))]
         for step in range(self.step, self.cfg.steps):
-            idx = order[step * self.cfg.batch_size : (step + 1) * self.cfg.batch_size]
-            yield step, pad_batch([self.examples[i] for i in idx], self.cfg.max_len)
+            idx = batches[step]
+            length = min(self.cfg.max_len, -(-int(lens[idx].max()) // LENGTH_BUCKET) * LENGTH_BUCKET)
+            yield step, pad_batch([self.examples[i] for i in idx], length)
 
     def _ckpt_manager(self):
         import orbax.checkpoint as ocp

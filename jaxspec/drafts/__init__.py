@@ -1,0 +1,40 @@
+"""Draft heads shipped inside the package, and the rule that picks one for a target.
+
+Each subdirectory is a draft in the public layout (config.json + model.safetensors, as SGLang
+loads it) plus `target.json`, which names the target it was trained for and the shape that target
+must have. A draft is picked when `speculative_algorithm` is left unset (or is EAGLE3 without a
+draft path) and the loaded target matches; `speculative_algorithm="NONE"` turns speculation off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def bundled_drafts() -> dict[str, dict]:
+    """{draft directory: its target.json} for every shipped draft."""
+    out = {}
+    for name in sorted(os.listdir(HERE)):
+        meta = os.path.join(HERE, name, "target.json")
+        if os.path.exists(meta) and os.path.exists(os.path.join(HERE, name, "model.safetensors")):
+            with open(meta) as f:
+                out[os.path.join(HERE, name)] = json.load(f)
+    return out
+
+
+def bundled_draft_for(target_path: str | None, target_cfg) -> tuple[str, str] | None:
+    """(algorithm, draft directory) shipped for this target, or None.
+
+    target_path: where the target was loaded from; target_cfg: its ModelConfig. A draft matches
+    when the target's directory name carries the draft's target name and the shapes agree, so a
+    fine-tuned model of another shape never gets a head it was not trained for."""
+    if not target_path:
+        return None
+    base = os.path.basename(os.path.normpath(target_path)).lower()
+    for path, meta in bundled_drafts().items():
+        if meta["target"].lower() in base and all(getattr(target_cfg, k) == v for k, v in meta["shape"].items()):
+            return meta["algorithm"], path
+    return None

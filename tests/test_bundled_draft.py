@@ -1,0 +1,69 @@
+"""The draft shipped for the default model: chosen by default, turned off by NONE, lossless."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import jaxspec.drafts as drafts
+from jaxspec.config import ModelConfig, SpecConfig
+from jaxspec.errors import JaxspecError
+
+SMOL = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                   num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5)
+
+
+def test_shipped_draft_is_present_and_small():
+    found = drafts.bundled_drafts()
+    assert found, "no draft is shipped in jaxspec/drafts"
+    for path, meta in found.items():
+        size = sum(f.stat().st_size for f in __import__("pathlib").Path(path).iterdir())
+        assert size <= 32 * 2**20, f"{path} is {size / 2**20:.1f} MiB"
+        cfg = json.load(open(f"{path}/config.json"))
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and meta["algorithm"] == "EAGLE3"
+
+
+def test_matching_rule(tmp_path, monkeypatch):
+    d = tmp_path / "smol-head"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"")
+    meta = {"target": "SmolLM2-135M-Instruct", "algorithm": "EAGLE3",
+            "shape": {"hidden_size": 576, "num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "vocab_size": 49152}}
+    (d / "target.json").write_text(json.dumps(meta))
+    monkeypatch.setattr(drafts, "HERE", str(tmp_path))
+    assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct-Q4_1", SMOL) == ("EAGLE3", str(d))
+    assert drafts.bundled_draft_for("/x/smollm2-135m-instruct/", SMOL) == ("EAGLE3", str(d))
+    assert drafts.bundled_draft_for("/x/other-model", SMOL) is None
+    import dataclasses
+
+    assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", dataclasses.replace(SMOL, num_layers=12)) is None
+    assert drafts.bundled_draft_for(None, SMOL) is None
+
+
+def test_resolution_with_a_shipped_draft():
+    b = ("EAGLE3", "/drafts/smol")
+    s = SpecConfig.resolve(None, SMOL, bundled=b)
+    assert s.algorithm == "EAGLE3" and s.draft_model_path == "/drafts/smol" and (s.num_steps, s.eagle_topk, s.num_draft_tokens) == (5, 4, 8)
+    assert not SpecConfig.resolve("NONE", SMOL, bundled=b).enabled
+    assert SpecConfig.resolve("eagle3", SMOL, bundled=b).draft_model_path == "/drafts/smol"
+    assert SpecConfig.resolve("EAGLE3", SMOL, draft_model_path="/mine", bundled=b).draft_model_path == "/mine"
+    with pytest.raises(JaxspecError, match="needs speculative_draft_model_path"):
+        SpecConfig.resolve("EAGLE", SMOL, bundled=b)  # a different algorithm needs its own draft
+    assert not SpecConfig.resolve(None, SMOL).enabled  # nothing shipped: plain decoding
+
+
+@pytest.mark.slow
+def test_default_engine_speculates_with_the_shipped_draft_losslessly(default_engine):
+    import jaxspec
+
+    eng = jaxspec.Engine(show_progress=False)
+    assert eng.speculative_algorithm == "EAGLE3" and eng.spec.draft_model_path.startswith(drafts.HERE)
+    assert default_engine.speculative_algorithm == "NONE"
+    msgs = [[{"role": "user", "content": p}] for p in ("What is the capital of France?", "List three colours.", "Explain gravity.")]
+    sp = {"temperature": 0, "max_new_tokens": 48}
+    got = eng.chat(msgs, sp)
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in default_engine.chat(msgs, sp)]
+    # a trained head accepts well beyond the single bonus token an untrained one gives
+    assert np.mean([r["meta_info"]["spec_accept_length"] for r in got]) > 1.5
