@@ -25,9 +25,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-seed", type=int, default=0)
     g.add_argument("--log-level", default="warning")
     s = p.add_argument_group("speculative decoding (SGLang's flags)")
-    s.add_argument("--speculative-algorithm", default=None, help="NONE (default), EAGLE, EAGLE3, NEXTN (= EAGLE) or STANDALONE; NGRAM comes with issue 4")
-    s.add_argument("--speculative-draft-model-path", default=None, help="draft checkpoint: an EAGLE/EAGLE-3 head directory, or any causal LM for STANDALONE ('default' = SmolLM2)")
-    s.add_argument("--speculative-num-steps", type=int, default=None, help="draft forwards per round (auto: 5 for Llama-family EAGLE, else 3)")
+    s.add_argument("--speculative-algorithm", default=None, help="EAGLE, EAGLE3, NEXTN (= EAGLE), STANDALONE or NONE; unset: EAGLE3 with the draft shipped for "
+                   "the target if there is one (SmolLM2-135M-Instruct), else NONE; NGRAM comes with issue 4")
+    s.add_argument("--speculative-draft-model-path", default=None, help="draft checkpoint: an EAGLE/EAGLE-3 head directory, or any causal LM for STANDALONE ('default' = SmolLM2); "
+                   "EAGLE3 without it uses the shipped draft")
+    s.add_argument("--speculative-num-steps", type=int, default=None, help="draft forwards per round (auto: the shipped draft's tuned shape, else 5 for Llama-family EAGLE, else 3)")
     s.add_argument("--speculative-eagle-topk", type=int, default=None, help="children kept per draft step (auto: 4 for Llama-family EAGLE, else 1)")
     s.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="tree nodes verified per round, root included (auto: 8 / 4)")
     s.add_argument("--speculative-accept-threshold-single", type=float, default=1.0, help="accept a draft token whose target probability is at least this (1.0 = lossless)")

@@ -22,7 +22,9 @@ SUPPORTED = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "mimo": "MiMoForCausalLM",  # Qwen2 layers (+ MTP layers, used as a draft: models/mtp.py)
 }
+QWEN2_LIKE = ("qwen2", "mimo")  # q/k/v always carry a bias, o_proj never
 SUPPORTED_ROPE = ("default", "linear", "llama3")
 
 
@@ -108,8 +110,8 @@ class ModelConfig:
             rope_params=rope_params,
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=(mt == "qwen2") or attn_bias,
-            o_bias=attn_bias and mt != "qwen2",
+            qkv_bias=(mt in QWEN2_LIKE) or attn_bias,
+            o_bias=attn_bias and mt not in QWEN2_LIKE,
             mlp_bias=bool(d.get("mlp_bias", False)),
             sliding_window=sliding,
             bos_token_id=d.get("bos_token_id"),
@@ -198,10 +200,11 @@ class SpecConfig:
         draft_model_revision: str | None = None,
         draft_load_format: str | None = None,
         warn: bool = True,
-        bundled: tuple[str, str] | None = None,
+        bundled: tuple[str, str, tuple | None] | None = None,
     ) -> "SpecConfig":
-        """bundled: (algorithm, draft path) shipped for this target (jaxspec.drafts). It is used when
-        algorithm is unset (None), or is that algorithm without a draft path; "NONE" turns it off."""
+        """bundled: (algorithm, draft path, tree shape or None) shipped for this target (jaxspec.drafts).
+        It is used when algorithm is unset (None), or is that algorithm without a draft path; "NONE"
+        turns it off. Its tree shape, if any, replaces the auto defaults."""
         import logging
 
         log = logging.getLogger("jaxspec")
@@ -216,12 +219,16 @@ class SpecConfig:
             return cls()
         if algo == "NGRAM":
             raise JaxspecError("speculative_algorithm=NGRAM is not implemented yet (issue 4)")
+        shipped_tree = None
         if draft_model_path is None and bundled and bundled[0] == algo:
-            draft_model_path = bundled[1]
+            draft_model_path, shipped_tree = bundled[1], bundled[2]
         if draft_model_path is None:
-            raise JaxspecError(f"speculative_algorithm={algo} needs speculative_draft_model_path")
+            hint = " (or a target checkpoint that carries an MTP module)" if algo == "EAGLE" else ""
+            raise JaxspecError(f"speculative_algorithm={algo} needs speculative_draft_model_path{hint}")
         knobs = (num_steps, eagle_topk, num_draft_tokens)
-        if all(k is None for k in knobs):
+        if all(k is None for k in knobs) and shipped_tree is not None:
+            num_steps, eagle_topk, num_draft_tokens = shipped_tree
+        elif all(k is None for k in knobs):
             llama = target is not None and target.model_type in LLAMA_FAMILY and algo != "STANDALONE"
             num_steps, eagle_topk, num_draft_tokens = (5, 4, 8) if llama else (3, 1, 4)
         elif any(k is None for k in knobs):

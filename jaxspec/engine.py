@@ -73,8 +73,10 @@ class Engine:
             accept_threshold_acc=speculative_accept_threshold_acc, token_map=speculative_token_map,
             draft_model_revision=speculative_draft_model_revision, draft_load_format=speculative_draft_load_format,
         )
-        # Fail fast on bad flags, before loading (a shipped draft may still supply the EAGLE3 draft path).
-        early = ("EAGLE3", "<shipped draft>") if str(speculative_algorithm).upper() == "EAGLE3" else None
+        # Fail fast on bad flags, before loading. The draft path may still come from the target: a
+        # shipped EAGLE3 draft, or (EAGLE / NEXTN) an MTP module inside the target's checkpoint.
+        algo = str(speculative_algorithm).upper().replace("NEXTN", "EAGLE")
+        early = (algo, "<from the target>", None) if algo in ("EAGLE", "EAGLE3") else None
         SpecConfig.resolve(speculative_algorithm, None, warn=False, bundled=early, **spec_args)
         if attention_backend != "xla":
             raise JaxspecError(f"unknown attention_backend {attention_backend!r}; available: xla")
@@ -93,9 +95,7 @@ class Engine:
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.backend = attention_backend
-        from jaxspec.drafts import bundled_draft_for
-
-        self.spec = SpecConfig.resolve(speculative_algorithm, self.cfg, bundled=bundled_draft_for(_loaded.path, self.cfg), **spec_args)
+        self.spec = SpecConfig.resolve(speculative_algorithm, self.cfg, bundled=_draft_from_target(_loaded, algo), **spec_args)
         self.speculative_algorithm = self.spec.algorithm
         self.proposer = self.dparams = None
         if self.spec.enabled:
@@ -297,6 +297,24 @@ class Engine:
 
 
 _ENGINES: dict = {}
+
+
+def _draft_from_target(loaded: LoadedModel, algo: str) -> tuple | None:
+    """A draft the target itself supplies when no draft path is given: an MTP module inside its
+    checkpoint (for EAGLE / NEXTN, as SGLang falls back to the target path), else a draft shipped
+    with jaxspec for it (jaxspec.drafts; also chosen when speculative_algorithm is unset)."""
+    import os
+
+    from jaxspec.drafts import bundled_draft_for
+
+    if algo == "EAGLE" and loaded.source_kind == "hf" and os.path.isdir(loaded.path):
+        from convert.sources import open_hf_dir
+        from jaxspec.models.mtp import mtp_layout
+
+        src = open_hf_dir(loaded.path, check_config=False)
+        if mtp_layout(src.config, src.names):
+            return ("EAGLE", loaded.path, None)
+    return bundled_draft_for(loaded.path, loaded.cfg)
 
 
 def generate(prompt=None, sampling_params=None, input_ids=None, **engine_kwargs):

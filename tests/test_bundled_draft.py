@@ -33,17 +33,19 @@ def test_matching_rule(tmp_path, monkeypatch):
             "shape": {"hidden_size": 576, "num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "vocab_size": 49152}}
     (d / "target.json").write_text(json.dumps(meta))
     monkeypatch.setattr(drafts, "HERE", str(tmp_path))
-    assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct-Q4_1", SMOL) == ("EAGLE3", str(d))
-    assert drafts.bundled_draft_for("/x/smollm2-135m-instruct/", SMOL) == ("EAGLE3", str(d))
+    assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct-Q4_1", SMOL) == ("EAGLE3", str(d), None)
+    assert drafts.bundled_draft_for("/x/smollm2-135m-instruct/", SMOL) == ("EAGLE3", str(d), None)
     assert drafts.bundled_draft_for("/x/other-model", SMOL) is None
     import dataclasses
 
     assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", dataclasses.replace(SMOL, num_layers=12)) is None
     assert drafts.bundled_draft_for(None, SMOL) is None
+    (d / "target.json").write_text(json.dumps({**meta, "tree": {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}}))
+    assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", SMOL) == ("EAGLE3", str(d), (3, 1, 4))
 
 
 def test_resolution_with_a_shipped_draft():
-    b = ("EAGLE3", "/drafts/smol")
+    b = ("EAGLE3", "/drafts/smol", None)
     s = SpecConfig.resolve(None, SMOL, bundled=b)
     assert s.algorithm == "EAGLE3" and s.draft_model_path == "/drafts/smol" and (s.num_steps, s.eagle_topk, s.num_draft_tokens) == (5, 4, 8)
     assert not SpecConfig.resolve("NONE", SMOL, bundled=b).enabled
@@ -52,6 +54,13 @@ def test_resolution_with_a_shipped_draft():
     with pytest.raises(JaxspecError, match="needs speculative_draft_model_path"):
         SpecConfig.resolve("EAGLE", SMOL, bundled=b)  # a different algorithm needs its own draft
     assert not SpecConfig.resolve(None, SMOL).enabled  # nothing shipped: plain decoding
+    tuned = ("EAGLE3", "/drafts/smol", (3, 1, 4))  # the shape measured best for the shipped draft
+    s = SpecConfig.resolve(None, SMOL, bundled=tuned)
+    assert (s.num_steps, s.eagle_topk, s.num_draft_tokens) == (3, 1, 4)
+    s = SpecConfig.resolve(None, SMOL, bundled=tuned, num_steps=6, eagle_topk=2, num_draft_tokens=10)
+    assert (s.num_steps, s.eagle_topk, s.num_draft_tokens) == (6, 2, 10)
+    s = SpecConfig.resolve("EAGLE3", SMOL, draft_model_path="/mine", bundled=tuned)  # own draft: SGLang's auto defaults
+    assert (s.num_steps, s.eagle_topk, s.num_draft_tokens) == (5, 4, 8)
 
 
 @pytest.mark.slow

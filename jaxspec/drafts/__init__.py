@@ -25,8 +25,12 @@ def bundled_drafts() -> dict[str, dict]:
     return out
 
 
-def bundled_draft_for(target_path: str | None, target_cfg) -> tuple[str, str] | None:
-    """(algorithm, draft directory) shipped for this target, or None.
+def bundled_draft_for(target_path: str | None, target_cfg) -> tuple[str, str, tuple | None] | None:
+    """(algorithm, draft directory, tree shape) shipped for this target, or None.
+
+    The tree shape (num_steps, eagle_topk, num_draft_tokens) is the one measured best for this
+    draft (target.json "tree"); it replaces SGLang's per-architecture auto defaults when the user
+    sets none of the three knobs. None means the usual auto defaults.
 
     target_path: where the target was loaded from; target_cfg: its ModelConfig. A draft matches
     when the target's directory name carries the draft's target name and the shapes agree, so a
@@ -36,5 +40,6 @@ def bundled_draft_for(target_path: str | None, target_cfg) -> tuple[str, str] | 
     base = os.path.basename(os.path.normpath(target_path)).lower()
     for path, meta in bundled_drafts().items():
         if meta["target"].lower() in base and all(getattr(target_cfg, k) == v for k, v in meta["shape"].items()):
-            return meta["algorithm"], path
+            tree = meta.get("tree")
+            return meta["algorithm"], path, None if tree is None else (tree["num_steps"], tree["eagle_topk"], tree["num_draft_tokens"])
     return None

@@ -44,7 +44,10 @@ def load_model(
     desc: str = "loading weights",
 ) -> LlamaForCausalLM:
     """Builds the model from tensors `get(hf_key)` without materialising a random init."""
-    ignore = lambda n: n.endswith(IGNORED_SUFFIXES) or (n == "lm_head.weight" and cfg.tie_word_embeddings)  # noqa: E731
+    from jaxspec.models.mtp import is_mtp_tensor
+
+    # MTP modules a checkpoint may carry are drafts (models/mtp.py), not part of the target.
+    ignore = lambda n: n.endswith(IGNORED_SUFFIXES) or (n == "lm_head.weight" and cfg.tie_word_embeddings) or is_mtp_tensor(n, cfg.num_layers)  # noqa: E731
     return load_module(lambda: LlamaForCausalLM(cfg, dtype, rngs=nnx.Rngs(0)), hf_key, names, get, dtype, progress, desc, ignore)
 
 

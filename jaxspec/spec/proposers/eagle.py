@@ -98,6 +98,12 @@ def load_eagle(spec, target, dtype, progress=True):
     if not os.path.isdir(path):
         raise JaxspecError(f"EAGLE draft path must be a directory with config.json and weights: {path}")
     src = open_hf_dir(path, check_config=False)
+    if spec.algorithm == "EAGLE":
+        from jaxspec.models.mtp import mtp_layout
+
+        layout = mtp_layout(src.config, src.names)
+        if layout is not None:
+            return load_mtp(spec, target, dtype, src, layout, progress)
     kind, cfg, extra = eagle_config(src.config)
     if kind != spec.algorithm:
         want = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}[spec.algorithm]
@@ -132,3 +138,28 @@ def load_eagle(spec, target, dtype, progress=True):
 
 
 
+
+
+def load_mtp(spec, target, dtype, src, layout, progress=True):
+    """An MTP module (DeepSeek NextN or MiMo layout) from `src` (the target's own checkpoint or a
+    separate one) as an EAGLE-path proposer: target features are the final normed hidden, logits
+    come from the target's LM head, multi-step drafting feeds the module's output back."""
+    from jaxspec.loader import jnp_dtype
+    from jaxspec.models.mtp import build_mtp, mtp_config, mtp_key
+    from jaxspec.models.params import load_module
+
+    kind, prefix = layout
+    cfg = mtp_config(src.config)
+    if cfg.hidden_size != target.cfg.hidden_size:
+        raise JaxspecError(f"MTP hidden_size {cfg.hidden_size} != target hidden_size {target.cfg.hidden_size}")
+    if spec.token_map:
+        logger.warning("speculative_token_map is ignored for MTP drafts")
+    shared = (prefix + "embed_tokens.weight", prefix + "shared_head.head.weight")  # the target's own are used
+    names = [n for n in src.names if n.startswith(prefix) and n not in shared]
+    jdt = jnp_dtype(dtype)
+    head = load_module(lambda: build_mtp(kind, cfg, jdt, nnx.Rngs(0)), mtp_key(prefix), names, src.get, jdt, progress,
+                       desc=f"loading the {kind} MTP module", ignore=lambda n: n.endswith("rotary_emb.inv_freq"))
+    graphdef, params = nnx.split(head)
+    prop = EagleProposer(graphdef, cfg, root_in_region=False, shift=1, draft_vocab=target.cfg.vocab_size, capture_layers=(),
+                         uses_hidden=True, eagle3=False)
+    return prop, {"draft": params}
