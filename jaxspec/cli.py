@@ -25,8 +25,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-seed", type=int, default=0)
     g.add_argument("--log-level", default="warning")
     s = p.add_argument_group("speculative decoding (SGLang's flags)")
-    s.add_argument("--speculative-algorithm", default=None, help="EAGLE, EAGLE3, NEXTN (= EAGLE), STANDALONE or NONE; unset: EAGLE3 with the draft shipped for "
-                   "the target if there is one (SmolLM2-135M-Instruct), else NONE; NGRAM comes with issue 4")
+    s.add_argument("--speculative-algorithm", default=None, help="EAGLE, EAGLE3, NEXTN (= EAGLE), STANDALONE, NGRAM or NONE; unset: EAGLE3 with the draft shipped for "
+                   "the target if there is one (SmolLM2-135M-Instruct), else NONE; NGRAM needs no draft")
     s.add_argument("--speculative-draft-model-path", default=None, help="draft checkpoint: an EAGLE/EAGLE-3 head directory, or any causal LM for STANDALONE ('default' = SmolLM2); "
                    "EAGLE3 without it uses the shipped draft")
     s.add_argument("--speculative-num-steps", type=int, default=None, help="draft forwards per round (auto: the shipped draft's tuned shape, else 5 for Llama-family EAGLE, else 3)")
@@ -37,6 +37,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-token-map", default=None, help="FR-Spec token map (.pt list, .npy or text of token ids) restricting the draft vocabulary")
     s.add_argument("--speculative-draft-model-revision", default=None, help="accepted for SGLang compatibility (local paths only)")
     s.add_argument("--speculative-draft-load-format", default=None, help="accepted for SGLang compatibility (detected from the files)")
+    s.add_argument("--speculative-ngram-min-match-window-size", type=int, default=1, help="NGRAM: shortest suffix match used")
+    s.add_argument("--speculative-ngram-max-match-window-size", type=int, default=12, help="NGRAM: longest suffix match tried")
+    s.add_argument("--speculative-ngram-min-bfs-breadth", type=int, default=1, help="NGRAM BFS: children per node for a longest-window match")
+    s.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=10, help="NGRAM BFS: children per node for a shortest-window match")
+    s.add_argument("--speculative-ngram-match-type", default="BFS", choices=["BFS", "PROB"], help="NGRAM tree building: level by level or most frequent first")
+    s.add_argument("--speculative-ngram-branch-length", type=int, default=18, help="NGRAM: a match proposes at most branch_length - 1 following tokens")
+    s.add_argument("--speculative-ngram-capacity", type=int, default=10 * 1000 * 1000, help="NGRAM: tokens kept in the text shared by all requests (oldest dropped first)")
+    s.add_argument("--speculative-ngram-force-greedy-verify", action="store_true", default=None,
+                   help="NGRAM: verify greedily even when sampling (SGLANG_NGRAM_FORCE_GREEDY_VERIFY; env JAXSPEC_NGRAM_FORCE_GREEDY_VERIFY=1)")
 
 
 def _spec_kwargs(args) -> dict:

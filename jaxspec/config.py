@@ -157,6 +157,45 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 SPEC_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+NGRAM_DEFAULT_DRAFT_TOKENS = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramConfig:
+    """SGLang's `--speculative-ngram-*` flags (same names and defaults), validated."""
+
+    min_match_window_size: int = 1
+    max_match_window_size: int = 12
+    min_bfs_breadth: int = 1
+    max_bfs_breadth: int = 10
+    match_type: str = "BFS"  # BFS | PROB
+    branch_length: int = 18
+    capacity: int = 10 * 1000 * 1000
+    force_greedy_verify: bool = False  # SGLang: SGLANG_NGRAM_FORCE_GREEDY_VERIFY; ours: JAXSPEC_NGRAM_FORCE_GREEDY_VERIFY
+
+    @classmethod
+    def build(cls, **kw) -> "NgramConfig":
+        kw = {k: v for k, v in kw.items() if v is not None}
+        if "force_greedy_verify" not in kw:
+            kw["force_greedy_verify"] = os.environ.get("JAXSPEC_NGRAM_FORCE_GREEDY_VERIFY", "0").lower() in ("1", "true", "yes")
+        c = cls(**kw)
+        mt = str(c.match_type).upper()
+        if mt not in ("BFS", "PROB"):
+            raise JaxspecError(f"speculative_ngram_match_type must be BFS or PROB, got {c.match_type!r}")
+        if c.branch_length <= 1:
+            raise JaxspecError(f"speculative_ngram_branch_length must be > 1, got {c.branch_length}")
+        if not 0 < c.min_match_window_size <= c.max_match_window_size < c.branch_length:
+            raise JaxspecError(
+                "need 0 < speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size < "
+                f"speculative_ngram_branch_length, got {c.min_match_window_size}, {c.max_match_window_size}, {c.branch_length}"
+            )
+        if not 0 < c.min_bfs_breadth <= c.max_bfs_breadth:
+            raise JaxspecError(
+                f"need 0 < speculative_ngram_min_bfs_breadth <= speculative_ngram_max_bfs_breadth, got {c.min_bfs_breadth}, {c.max_bfs_breadth}"
+            )
+        if c.capacity < 1:
+            raise JaxspecError(f"speculative_ngram_capacity must be >= 1, got {c.capacity}")
+        return dataclasses.replace(c, match_type=mt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +215,7 @@ class SpecConfig:
     token_map: str | None = None
     draft_model_revision: str | None = None  # accepted for SGLang parity; local paths have no revisions
     draft_load_format: str | None = None  # accepted for SGLang parity; the format is detected from the files
+    ngram: NgramConfig | None = None  # NGRAM only
 
     @property
     def enabled(self) -> bool:
@@ -201,6 +241,7 @@ class SpecConfig:
         draft_load_format: str | None = None,
         warn: bool = True,
         bundled: tuple[str, str, tuple | None] | None = None,
+        ngram: dict | None = None,
     ) -> "SpecConfig":
         """bundled: (algorithm, draft path, tree shape or None) shipped for this target (jaxspec.drafts).
         It is used when algorithm is unset (None), or is that algorithm without a draft path; "NONE"
@@ -217,8 +258,19 @@ class SpecConfig:
             algo = "EAGLE"
         if algo == "NONE":
             return cls()
+        for name, v in (("accept_threshold_single", accept_threshold_single), ("accept_threshold_acc", accept_threshold_acc)):
+            if not 0 < v <= 1:
+                raise JaxspecError(f"speculative_{name} must be in (0, 1], got {v}")
         if algo == "NGRAM":
-            raise JaxspecError("speculative_algorithm=NGRAM is not implemented yet (issue 4)")
+            # No draft model; the tree comes from n-gram matches. Depth is bounded by N - 1, which
+            # plays num_steps' part (verification walk, histogram); topk has no meaning here.
+            ng = NgramConfig.build(**(ngram or {}))
+            n = NGRAM_DEFAULT_DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens
+            if n < 2:
+                raise JaxspecError(f"speculative_num_draft_tokens must be >= 2 for NGRAM, got {n}")
+            if warn and (num_steps is not None or eagle_topk is not None):
+                log.warning("speculative_num_steps / speculative_eagle_topk are ignored for NGRAM (the tree has speculative_num_draft_tokens nodes)")
+            return cls("NGRAM", None, n - 1, 1, n, float(accept_threshold_single), float(accept_threshold_acc), ngram=ng)
         shipped_tree = None
         if draft_model_path is None and bundled and bundled[0] == algo:
             draft_model_path, shipped_tree = bundled[1], bundled[2]
@@ -248,8 +300,5 @@ class SpecConfig:
                 f"speculative_num_draft_tokens={num_draft_tokens} is more than 1 + num_steps * topk = "
                 f"{1 + num_steps * eagle_topk}; lower it or raise speculative_num_steps / speculative_eagle_topk"
             )
-        for name, v in (("accept_threshold_single", accept_threshold_single), ("accept_threshold_acc", accept_threshold_acc)):
-            if not 0 < v <= 1:
-                raise JaxspecError(f"speculative_{name} must be in (0, 1], got {v}")
         return cls(algo, draft_model_path, num_steps, eagle_topk, num_draft_tokens, float(accept_threshold_single),
                    float(accept_threshold_acc), token_map, draft_model_revision, draft_load_format)

@@ -61,6 +61,14 @@ class Engine:
         speculative_token_map: str | None = None,
         speculative_draft_model_revision: str | None = None,
         speculative_draft_load_format: str | None = None,
+        speculative_ngram_min_match_window_size: int = 1,
+        speculative_ngram_max_match_window_size: int = 12,
+        speculative_ngram_min_bfs_breadth: int = 1,
+        speculative_ngram_max_bfs_breadth: int = 10,
+        speculative_ngram_match_type: str = "BFS",
+        speculative_ngram_branch_length: int = 18,
+        speculative_ngram_capacity: int = 10 * 1000 * 1000,
+        speculative_ngram_force_greedy_verify: bool | None = None,
         log_level: str = "warning",
         show_progress: bool = True,
         _loaded: LoadedModel | None = None,
@@ -72,6 +80,10 @@ class Engine:
             num_draft_tokens=speculative_num_draft_tokens, accept_threshold_single=speculative_accept_threshold_single,
             accept_threshold_acc=speculative_accept_threshold_acc, token_map=speculative_token_map,
             draft_model_revision=speculative_draft_model_revision, draft_load_format=speculative_draft_load_format,
+            ngram=dict(min_match_window_size=speculative_ngram_min_match_window_size, max_match_window_size=speculative_ngram_max_match_window_size,
+                       min_bfs_breadth=speculative_ngram_min_bfs_breadth, max_bfs_breadth=speculative_ngram_max_bfs_breadth,
+                       match_type=speculative_ngram_match_type, branch_length=speculative_ngram_branch_length,
+                       capacity=speculative_ngram_capacity, force_greedy_verify=speculative_ngram_force_greedy_verify),
         )
         # Fail fast on bad flags, before loading. The draft path may still come from the target: a
         # shipped EAGLE3 draft, or (EAGLE / NEXTN) an MTP module inside the target's checkpoint.
@@ -102,6 +114,11 @@ class Engine:
             from jaxspec.spec.proposers import load_proposer
 
             self.proposer, self.dparams = load_proposer(self.spec, _loaded, dtype, show_progress)
+        self._corpus = None
+        if self.spec.algorithm == "NGRAM":  # the n-gram text shared by all requests (spec/proposers/ngram.py)
+            from jaxspec.spec.proposers.ngram import Corpus
+
+            self._corpus = Corpus(self.spec.ngram.capacity)
         self._rng = np.random.default_rng(random_seed)
 
     @classmethod
@@ -234,6 +251,9 @@ class Engine:
             out, num_out, finish = jax.device_get((out, num_out, finish))
             verify_ct, hist = num_out, None
         latency = time.perf_counter() - t0
+        if self._corpus is not None:  # finished requests feed the shared n-gram text
+            self._corpus.add(list(x) + list(map(int, out[i, : num_out[i]])) for i, x in enumerate(ids))
+            self.dparams = {**self.dparams, "corpus": self._corpus.device()}
         return [
             self._result(list(map(int, out[i, : num_out[i]])), int(finish[i]), lens[i], params[i], latency, int(verify_ct[i]), None if hist is None else hist[i])
             for i in range(n)
@@ -243,7 +263,7 @@ class Engine:
         from jaxspec.spec.loop import spec_decode, spec_prefill_chunk
 
         prop, b = self.proposer, prompt.shape[0]
-        dcache = KVCache.create(prop.cfg, b, cache.max_len, self.dtype)
+        dcache = prop.make_cache(b, cache.max_len, self.dtype)
         shifted = np.zeros_like(prompt)
         shifted[:, : prompt.shape[1] - prop.shift] = prompt[:, prop.shift :]
         dprompt = jnp.asarray(shifted)

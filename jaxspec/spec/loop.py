@@ -24,7 +24,7 @@ from jaxspec.decode import LENGTH, RUNNING, STOPPED, target_prefill
 from jaxspec.sampling import SamplingTensors, sample
 from jaxspec.spec import tree as tree_lib
 from jaxspec.spec.proposers.base import DraftState, Proposer
-from jaxspec.spec.verify import verify
+from jaxspec.spec.verify import greedy_verify, verify
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "prop", "backend"), donate_argnames=("cache", "dcache"))
@@ -78,6 +78,8 @@ def emit(state: SpecState, new, n_new, max_new_tokens, stop_ids):
 
 
 def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState):
+    if prop.builds_tree:
+        return prop.propose_tree(dparams, state.draft, state.last, spec), state.draft
     d = {"state": state.draft}
 
     def step_fn(tokens, hidden, depth, mask, offset):
@@ -97,7 +99,10 @@ def spec_round(tgt, prop, dparams, spec: SpecConfig, state: SpecState, st, max_n
     pos = cache.lengths[:, None] + tree.depth
     h, cache, cap = tgt(tree.tokens, pos, cache, local_mask=tree.anc, capture_layers=prop.capture_layers, backend=backend)
     keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.fold_in)(st.keys, jnp.ones_like(state.verify_ct)), state.verify_ct)
-    acc = verify(tree, tgt.logits(h), st, keys, steps, thr[0], thr[1])
+    if spec.ngram is not None and spec.ngram.force_greedy_verify:  # SGLANG_NGRAM_FORCE_GREEDY_VERIFY
+        acc = greedy_verify(tree, tgt.logits(h), steps)
+    else:
+        acc = verify(tree, tgt.logits(h), st, keys, steps, thr[0], thr[1])
     active = ~state.done
     n_new = acc.num + 1
     cache = cache.commit_path(acc.path)

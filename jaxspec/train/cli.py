@@ -19,8 +19,10 @@ def add_parser(sub) -> None:
     t.add_argument("--mix-original", type=int, default=0,
                    help="also train on this many further conversations with their original answers (the loss still "
                         "follows the target's own next-token distribution, so they add contexts at no generation cost); "
-                        "taken from --mix-data after its first --num-samples + --eval-samples conversations")
+                        "taken from --mix-data after skipping --mix-skip conversations")
     t.add_argument("--mix-data", default="sharegpt", help="source of the --mix-original conversations")
+    t.add_argument("--mix-skip", type=int, default=None,
+                   help="conversations of --mix-data to skip (default: --num-samples + --eval-samples when it is --data, else 0)")
     t.add_argument("--regen-max-new-tokens", type=int, default=256)
     t.add_argument("--regen-batch-size", type=int, default=32, help="conversations answered per batch while regenerating")
     t.add_argument("--data-only", action="store_true", help="stop after preparing (regenerating) the data; a later run trains on it")
@@ -51,7 +53,8 @@ def run(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     n_main = args.num_samples + args.eval_samples
     convs = load_conversations(args.data, n_main)
-    originals = load_conversations(args.mix_data, n_main + args.mix_original)[n_main:] if args.mix_original else []
+    skip = args.mix_skip if args.mix_skip is not None else (n_main if args.mix_data == args.data else 0)
+    originals = load_conversations(args.mix_data, skip + args.mix_original)[skip:] if args.mix_original else []
     if args.regenerate:
         # OUT/train_data.jsonl grows batch by batch, so an interrupted (or --data-only) run resumes where it stopped.
         eng = Engine(_loaded=target, max_running_requests=args.regen_batch_size, show_progress=False)

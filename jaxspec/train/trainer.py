@@ -28,6 +28,7 @@ from jaxspec.train.data import Example, draft_vocab, pad_batch
 from jaxspec.train.losses import eagle2_loss, eagle3_ttt_loss
 
 
+LM_HEAD_INIT_SCALE = 0.25  # EAGLE-3 warm start: draft LM head = this x the target's rows
 LENGTH_BUCKET = 128  # training batches are padded to a multiple of this (at most max_len)
 
 
@@ -79,11 +80,11 @@ class Trainer:
         head = build_eagle(kind, dcfg, extra, jnp.float32, nnx.Rngs(cfg.seed))
         if self.ids is not None:
             head.d2t[...] = jnp.asarray(self.ids - np.arange(len(self.ids)), jnp.int32)
-            # Warm start: the draft's output norm and LM head begin as the target's own (restricted to
-            # the draft vocabulary), so the draft starts out speaking in the target's hidden space.
+            # Warm start: the draft's LM head begins as the target's own rows for the draft vocabulary
+            # (the token geometry), scaled down so that the first logits are soft rather than
+            # confidently wrong (copying the target's output norm too made the initial loss ~4x log V).
             w = target.model.embed_tokens[...] if target.model.lm_head is None else target.model.lm_head.kernel[...].T
-            head.lm_head.kernel[...] = jnp.asarray(w[jnp.asarray(self.ids)].T, jnp.float32)
-            head.norm.weight[...] = jnp.array(target.model.norm.weight[...], jnp.float32, copy=True)  # own buffer: params are donated
+            head.lm_head.kernel[...] = LM_HEAD_INIT_SCALE * jnp.asarray(w[jnp.asarray(self.ids)].T, jnp.float32)
         self.graphdef, self.params, self.rest = nnx.split(head, nnx.Param, ...)
         self.capture = eagle3_capture_layers(tcfg) if kind == "EAGLE3" else ()
         sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1), cfg.lr * 0.1)

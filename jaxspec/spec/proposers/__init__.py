@@ -15,6 +15,10 @@ def load_proposer(spec, target, dtype, progress: bool = True):
         from jaxspec.spec.proposers.eagle import load_eagle
 
         return load_eagle(spec, target, dtype, progress)
+    if spec.algorithm == "NGRAM":
+        from jaxspec.spec.proposers.ngram import load_ngram
+
+        return load_ngram(spec, target)
     raise ValueError(f"no proposer for {spec.algorithm}")
 
 

@@ -35,6 +35,7 @@ class Proposer:
     draft_vocab: int  # size of the draft distribution (FR-Spec map, EAGLE-3 draft vocab, or full)
     capture_layers: tuple = ()  # target layers whose inputs the draft consumes (EAGLE-3)
     uses_hidden: bool = False  # the draft consumes target / fed-back hidden states
+    builds_tree: bool = False  # the proposer builds the whole tree itself (propose_tree), e.g. NGRAM
 
     def __hash__(self):
         return id(self)
@@ -45,7 +46,12 @@ class Proposer:
         """Target features the draft consumes: h [B, T, H] final hidden, captured [3, B, T, H]."""
         return None
 
-    def init_state(self, dparams, batch: int, max_len: int, dtype) -> DraftState:
+    def make_cache(self, batch: int, max_len: int, dtype):
+        """The draft's per-slot state that prefill fills (a KV cache for model drafts)."""
+        return KVCache.create(self.cfg, batch, max_len, dtype)
+
+    def propose_tree(self, dparams, state: DraftState, last, spec):
+        """builds_tree proposers: the round's Tree (jaxspec.spec.tree) below x_L = last [B]."""
         raise NotImplementedError
 
     def prefill_chunk(self, dparams, tgt, cache: KVCache, tokens, feats, start, commit_lens) -> KVCache:

@@ -47,13 +47,6 @@ class EagleProposer(Proposer):
             return nnx.merge(self.graphdef, dparams["draft"]).to_target(ids)
         return super().to_target(dparams, ids)
 
-    def init_state(self, dparams, batch, max_len, dtype):
-        return DraftState(
-            KVCache.create(self.cfg, batch, max_len, dtype),
-            jnp.zeros((batch, self.draft_vocab), jnp.float32),
-            jnp.zeros((batch, self.cfg.hidden_size), dtype),
-        )
-
     def _run(self, dparams, tgt, cache, tokens, hidden, pos, mask=None, offset=0):
         head = nnx.merge(self.graphdef, dparams["draft"])
         embeds = tgt.embed_tokens[...][tokens]

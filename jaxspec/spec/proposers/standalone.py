@@ -26,9 +26,6 @@ class StandaloneProposer(Proposer):
         head = dparams.get("head")
         return draft.logits(h) if head is None else (h @ head).astype(jnp.float32)
 
-    def init_state(self, dparams, batch, max_len, dtype):
-        return DraftState(KVCache.create(self.cfg, batch, max_len, dtype), jnp.zeros((batch, self.draft_vocab), jnp.float32), jnp.zeros((batch, 1), dtype))
-
     def prefill_chunk(self, dparams, tgt, cache, tokens, feats, start, commit_lens):
         draft = nnx.merge(self.graphdef, dparams["draft"])
         b, c = tokens.shape
