@@ -18,22 +18,7 @@ import time
 
 from common import machine, mtbench_first_turns
 
-
-def warmup_set(eng, ids, max_new, bs):
-    """One batch per distinct compiled shape (prompt chunk, cache length) the timed pass will meet,
-    so that the timed pass never compiles and the warm-up costs a handful of generations."""
-    from jaxspec.engine import bucket
-
-    spec = eng.spec
-    extra = spec.num_draft_tokens + spec.num_steps * spec.eagle_topk + 2 if spec.enabled else 0
-    seen = {}
-    for s in range(0, len(ids), bs):
-        batch = ids[s : s + bs]
-        longest = max(map(len, batch))
-        chunk = min(bucket(eng.chunked_prefill_size), bucket(longest, 16))
-        key = (len(batch), chunk, -(-longest // chunk), bucket(longest + max_new + extra, 64))
-        seen.setdefault(key, batch)
-    return list(seen.values())
+from jaxspec.bench import warmup_set
 
 
 def run(eng, ids, sp, bs):
@@ -71,7 +56,7 @@ def histogram_svg(hist, title, path, width=480, height=260):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--draft", action="append", default=[], help="ALGO=PATH (repeatable), e.g. EAGLE3=drafts/smollm2-eagle3")
+    ap.add_argument("--draft", action="append", default=[], help="ALGO=PATH or ALGO (repeatable), e.g. EAGLE3=path/to/head, EAGLE3 (the shipped draft), NGRAM")
     ap.add_argument("--questions", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
@@ -84,14 +69,14 @@ def main():
 
     os.makedirs(args.out, exist_ok=True)
     loaded = load(None, "float32", progress=False)
-    plain = jaxspec.Engine(_loaded=loaded, max_running_requests=args.batch_size, show_progress=False)
+    plain = jaxspec.Engine(_loaded=loaded, max_running_requests=args.batch_size, show_progress=False, speculative_algorithm="NONE")
     qs = mtbench_first_turns(args.questions)
     ids = [plain._encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in qs]
     engines = [("NONE", plain)]
     for d in args.draft:
-        algo, path = d.split("=", 1)
+        algo, _, path = d.partition("=")  # "EAGLE3" alone: the draft shipped for the default model
         engines.append((algo, jaxspec.Engine(_loaded=loaded, max_running_requests=args.batch_size, show_progress=False,
-                                             speculative_algorithm=algo, speculative_draft_model_path=path)))
+                                             speculative_algorithm=algo, speculative_draft_model_path=path or None)))
     print(f"machine: {machine()}")
     print(f"SmolLM2-135M-Instruct float32, {len(ids)} MT-bench first turns, max {args.max_new_tokens} new tokens, batch {args.batch_size}")
     print("| temperature | algorithm | accept length | tok/s | speedup |")

@@ -36,10 +36,28 @@ def mtbench_first_turns(n: int | None = None) -> list[str]:
     return qs[:n] if n else qs
 
 
+def warmup_set(eng, ids, max_new: int, bs: int) -> list[list[list[int]]]:
+    """One batch per distinct compiled shape (batch, prompt chunk, chunks, cache length) that running
+    `ids` in batches of `bs` will meet, so that a timed pass never compiles and the warm-up costs a
+    handful of generations rather than a second full pass."""
+    from jaxspec.engine import bucket
+
+    spec = eng.spec
+    extra = spec.num_draft_tokens + spec.num_steps * spec.eagle_topk + 2 if spec.enabled else 0
+    seen: dict = {}
+    for s in range(0, len(ids), bs):
+        batch = ids[s : s + bs]
+        longest = max(map(len, batch))
+        chunk = min(bucket(eng.chunked_prefill_size), bucket(longest, 16))
+        key = (bucket(len(batch)), chunk, -(-longest // chunk), bucket(longest + max_new + extra, 64))
+        seen.setdefault(key, batch)
+    return list(seen.values())
+
+
 def _measure(eng, ids, bs, sp):
     """-> (output tokens, rounds the batches ran, sum of per-request rounds, seconds)."""
-    for s in range(0, len(ids), bs):  # warm-up: compile every shape bucket these batches hit
-        eng.generate(input_ids=ids[s : s + bs], sampling_params=sp)
+    for batch in warmup_set(eng, ids, sp["max_new_tokens"], bs):
+        eng.generate(input_ids=batch, sampling_params=sp)
     tokens = rounds = verify = 0
     t = time.perf_counter()
     for s in range(0, len(ids), bs):
@@ -61,11 +79,20 @@ def run_sweep(args) -> list[dict]:
     base = dict(dtype=args.dtype, context_length=args.context_length, chunked_prefill_size=args.chunked_prefill_size,
                 attention_backend=args.attention_backend, random_seed=args.random_seed, log_level=args.log_level, show_progress=False)
     loaded = load(args.model_path, args.dtype, args.tokenizer_path, progress=True)
-    plain = Engine(_loaded=loaded, max_running_requests=max(args.batch_size), **base)
+    plain = Engine(_loaded=loaded, max_running_requests=max(args.batch_size), speculative_algorithm="NONE", **base)
     ids = [plain._encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in questions]
     sp = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
     knob_lists = (args.steps, args.topk, args.num_draft_tokens)
-    if all(k is None for k in knob_lists):
+    if args.shape:
+        if any(k is not None for k in knob_lists):
+            raise JaxspecError("give either --shape or --steps/--topk/--num-draft-tokens")
+        try:
+            combos = [tuple(int(x) for x in sh.split(",")) for sh in args.shape]
+        except ValueError:
+            combos = []
+        if not combos or any(len(c) != 3 for c in combos):
+            raise JaxspecError(f"--shape takes STEPS,TOPK,N triples, got {args.shape}")
+    elif all(k is None for k in knob_lists):
         combos = [(None, None, None)]
     elif any(k is None for k in knob_lists):
         raise JaxspecError("give all three of --steps, --topk and --num-draft-tokens, or none (auto defaults)")

@@ -184,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, nargs="+", default=None, help="speculative_num_steps values (default: the auto choice)")
     b.add_argument("--topk", type=int, nargs="+", default=None, help="speculative_eagle_topk values")
     b.add_argument("--num-draft-tokens", type=int, nargs="+", default=None, help="speculative_num_draft_tokens values")
+    b.add_argument("--shape", nargs="+", default=None, metavar="STEPS,TOPK,N", help="explicit tree shapes to run instead of a product sweep")
     b.add_argument("--prompts", type=int, default=8, help="MT-bench first-turn questions to run (chat template applied)")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--temperature", type=float, default=0.0)

@@ -1,6 +1,6 @@
 """`Engine`: the offline API, shaped like SGLang's `sgl.Engine`.
 
-    eng = jaxspec.Engine()                                   # default model, plain decoding
+    eng = jaxspec.Engine()                                   # default model + its shipped EAGLE-3 draft
     eng.generate("text", {"temperature": 0, "max_new_tokens": 64})   # -> dict
     eng.generate(["a", "b"], {...})                            # -> list of dicts
     eng.chat([{"role": "user", "content": "hi"}], {...})      # applies the chat template
@@ -109,6 +109,7 @@ class Engine:
         self.backend = attention_backend
         self.spec = SpecConfig.resolve(speculative_algorithm, self.cfg, bundled=_draft_from_target(_loaded, algo), **spec_args)
         self.speculative_algorithm = self.spec.algorithm
+        self._spec_auto = speculative_algorithm is None and self.spec.enabled  # a shipped draft, not the user's choice
         self.proposer = self.dparams = None
         if self.spec.enabled:
             from jaxspec.spec.proposers import load_proposer
@@ -181,8 +182,12 @@ class Engine:
             params = [SamplingParams.from_dict(p) for p in sampling_params]
         else:
             params = [SamplingParams.from_dict(sampling_params)] * len(ids)
-        if self.spec.enabled and any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
-            raise JaxspecError("repetition/frequency/presence penalties are not supported with speculative decoding yet")
+        spec_on = self.spec.enabled
+        if spec_on and any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
+            if not self._spec_auto:
+                raise JaxspecError("repetition/frequency/presence penalties are not supported with speculative decoding yet")
+            spec_on = False  # the shipped draft was chosen for the user: fall back to plain decoding
+            logger.info("penalties requested: decoding this batch without speculation")
         for i, x in enumerate(ids):
             if len(x) == 0:
                 raise JaxspecError(f"prompt {i} is empty")
@@ -193,7 +198,7 @@ class Engine:
         out = []
         n = self.max_running_requests
         for s in range(0, len(ids), n):
-            out += self._run_batch(ids[s : s + n], params[s : s + n])
+            out += self._run_batch(ids[s : s + n], params[s : s + n], spec_on)
         return out
 
     def _stop_ids(self, p: SamplingParams) -> list[int]:
@@ -208,7 +213,7 @@ class Engine:
                     stop.append(t[0])
         return sorted(set(stop))
 
-    def _run_batch(self, ids: list[list[int]], params: list[SamplingParams]) -> list[dict]:
+    def _run_batch(self, ids: list[list[int]], params: list[SamplingParams], spec_on: bool) -> list[dict]:
         t0 = time.perf_counter()
         n = len(ids)
         b = min(bucket(n), max(self.max_running_requests, n))
@@ -218,7 +223,7 @@ class Engine:
         longest = max(lens)
         chunk = min(bucket(self.chunked_prefill_size), bucket(longest, 16))
         n_chunks = -(-longest // chunk)
-        extra = 0 if not self.spec.enabled else self.spec.num_draft_tokens + self.spec.num_steps * self.spec.eagle_topk + 2
+        extra = 0 if not spec_on else self.spec.num_draft_tokens + self.spec.num_steps * self.spec.eagle_topk + 2
         s_len = bucket(max(l + m for l, m in zip(lens, max_new)) + extra, 64)
         stops = [self._stop_ids(p) for p in params]
         k = bucket(max(len(s) for s in stops), 4)
@@ -239,7 +244,7 @@ class Engine:
 
         cache = KVCache.create(self.cfg, b, s_len, self.dtype)
         last_h = jnp.zeros((b, self.cfg.hidden_size), self.dtype)
-        if self.spec.enabled:
+        if spec_on:
             out, num_out, finish, verify_ct, hist = self._spec_batch(cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks)
         else:
             for c in range(n_chunks):
@@ -251,7 +256,7 @@ class Engine:
             out, num_out, finish = jax.device_get((out, num_out, finish))
             verify_ct, hist = num_out, None
         latency = time.perf_counter() - t0
-        if self._corpus is not None:  # finished requests feed the shared n-gram text
+        if self._corpus is not None and spec_on:  # finished requests feed the shared n-gram text
             self._corpus.add(list(x) + list(map(int, out[i, : num_out[i]])) for i, x in enumerate(ids))
             self.dparams = {**self.dparams, "corpus": self._corpus.device()}
         return [

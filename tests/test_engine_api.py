@@ -63,9 +63,9 @@ def test_bad_chat_messages(default_engine):
 
 def test_speculative_flag_errors_before_loading():
     with pytest.raises(JaxspecError, match="speculative_draft_model_path"):
-        jaxspec.Engine(speculative_algorithm="EAGLE3")
-    with pytest.raises(JaxspecError, match="not implemented yet"):
-        jaxspec.Engine(speculative_algorithm="NGRAM")
+        jaxspec.Engine(speculative_algorithm="STANDALONE")
+    with pytest.raises(JaxspecError, match="BFS or PROB"):
+        jaxspec.Engine(speculative_algorithm="NGRAM", speculative_ngram_match_type="DFS")
     with pytest.raises(JaxspecError, match="unknown speculative_algorithm"):
         jaxspec.Engine(speculative_algorithm="MAGIC")
 

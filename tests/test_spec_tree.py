@@ -154,5 +154,3 @@ def test_spec_config_defaults_and_validation():
         SpecConfig.resolve("EAGLE", LLAMA)
     with pytest.raises(JaxspecError, match="unknown"):
         SpecConfig.resolve("MAGIC", LLAMA)
-    with pytest.raises(JaxspecError, match="issue 4"):
-        SpecConfig.resolve("NGRAM", LLAMA)

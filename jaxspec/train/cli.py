@@ -57,7 +57,7 @@ def run(args) -> int:
     originals = load_conversations(args.mix_data, skip + args.mix_original)[skip:] if args.mix_original else []
     if args.regenerate:
         # OUT/train_data.jsonl grows batch by batch, so an interrupted (or --data-only) run resumes where it stopped.
-        eng = Engine(_loaded=target, max_running_requests=args.regen_batch_size, show_progress=False)
+        eng = Engine(_loaded=target, max_running_requests=args.regen_batch_size, show_progress=False, speculative_algorithm="NONE")
         convs = regenerate(eng, convs, args.regen_max_new_tokens, batch=args.regen_batch_size,
                            max_prompt_tokens=args.max_len - args.regen_max_new_tokens, cache_path=os.path.join(args.out, "train_data.jsonl"))
     if args.data_only:
