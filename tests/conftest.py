@@ -23,6 +23,21 @@ FAMILIES = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drops JAX's compiled programs after each test module. Every XLA:CPU executable keeps its own
+    memory mappings; the whole suite compiles enough programs to pass the kernel's limit of 65530
+    mappings per process (vm.max_map_count), and LLVM then crashes inside a compile (SIGSEGV).
+    Session-scoped engines stay usable: their functions recompile on next use."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 def make_hf_model(family: str, seed: int = 0, **overrides):
     import torch
     import transformers
