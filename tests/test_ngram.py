@@ -42,14 +42,15 @@ def test_prob_tree_takes_the_most_frequent_nodes():
 
 
 def test_bfs_breadth_follows_the_match_length():
-    # a 4-token match (the max window) gives breadth min_bfs = 1: a chain along the frequent branch
+    # windows 1..4, breadth 1..3: scale = (3 - 1) / (4 - 1 + 1) = 0.5
+    # a 4-token match (the max window): breadth 1, a chain along the longest match's continuation
     tokens, parent, _ = tree_for(HIST, 6, min_bfs_breadth=1, max_bfs_breadth=3)
-    assert tokens == [2, 3, 4, 1, 2, 3] and parent == [0, 0, 1, 2, 3, 4]
-    # only a 1-token match ("... 9 2"): breadth max_bfs = 3 below every node, level by level
+    assert tokens == [2, 3, 5, 1, 2, 3] and parent == [0, 0, 1, 2, 3, 4]
+    # only 1-token matches of "2", most recent first: 5 9 2 | 7 6 2 5 | 8 0 2 7 | 7 0 2 8
+    # breadth 2.5 -> 2 at the top, 2.0 -> 2 one level down, 1.5 -> 1 below that
     hist = [2, 7, 0, 2, 8, 0, 2, 7, 6, 2, 5, 9, 2]
     tokens, parent, depth = tree_for(hist, 7, min_bfs_breadth=1, max_bfs_breadth=3)
-    assert tokens[:4] == [2, 7, 5, 8] and parent[:4] == [0, 0, 0, 0]  # 7 twice, then the more recent 5 before 8
-    assert depth[4:] == [2, 2, 2] and set(parent[4:]) <= {1, 2, 3}
+    assert tokens == [2, 5, 7, 9, 6, 0, 2] and parent == [0, 0, 0, 1, 2, 2, 3] and depth == [0, 1, 1, 2, 2, 2, 3]
 
 
 def test_padding_when_matches_run_out():
@@ -61,7 +62,7 @@ def test_padding_when_matches_run_out():
 
 
 def test_corpus_keeps_the_newest_tokens():
-    c = Corpus(capacity=10)
+    c = Corpus(capacity=10, reserve=64)
     c.add([[1, 2, 3], [4, 5]])
     assert c.buf.tolist() == [1, 2, 3, SEP, 4, 5, SEP]
     c.add([[6, 7, 8, 9]])

@@ -13,11 +13,14 @@ with no host round trip:
          min_match_window_size are occurrences. The K best occurrences (longest match, then most
          recent) give continuations of up to branch_length - 1 tokens.
   tree   the continuations form a trie (shared prefixes merged); a node's count is how many
-         occurrences run through it. BFS keeps, below each node, its `breadth` most frequent
-         children, breadth = max_bfs_breadth for a min-window match narrowing linearly to
-         min_bfs_breadth for a max-window match, and takes nodes level by level; PROB takes the
-         most frequent nodes first (count = an empirical path probability). Both stop at N - 1
-         nodes; unused slots are padding nodes that nothing can accept.
+         occurrences run through it. BFS (SGLang's rule) keeps, below each node, its first `breadth`
+         children by their best occurrence (longest match, then most recent), breadth =
+         (max_w - w) * scale + min_bfs for the longest match w, one `scale` less per level (at
+         least 1), scale = (max_bfs - min_bfs) / (max_w - min_w + 1), and takes nodes level by level;
+         PROB takes the most frequent nodes first (count / K = the product along the path of each
+         child's share of its parent's occurrences). Both stop at N - 1 nodes; unused slots are
+         padding nodes that nothing can accept. Unlike SGLang, occurrences of every window length
+         share one tree built with the longest match's breadth.
 
 Shapes: K = NGRAM_OCCURRENCES occurrences, D = min(N - 1, branch_length - 1) continuation depth.
 """
@@ -100,19 +103,21 @@ def select_nodes(valid, rep, count, mlen, n_nodes: int, cfg):
         # most frequent first; ties: shallower, then the better occurrence (parents precede children)
         key = jnp.where(unique, count * big * big - dd * big - c, -1)
     else:
+        # SGLang's rule: breadth (max_w - w) * scale + min_bfs at the top for a w-token match, one
+        # `scale` less per level (at least 1), scale = (max_bfs - min_bfs) / (max_w - min_w + 1).
         lo, hi = cfg.min_match_window_size, cfg.max_match_window_size
+        scale = (cfg.max_bfs_breadth - cfg.min_bfs_breadth) / (hi - lo + 1)
         best = mlen[:, 0]  # [B] the longest match
-        frac = jnp.clip((best - lo) / max(hi - lo, 1), 0.0, 1.0)
-        breadth = jnp.round(cfg.max_bfs_breadth - frac * (cfg.max_bfs_breadth - cfg.min_bfs_breadth)).astype(jnp.int32)
-        # rank among siblings (unique nodes at the same depth under the same parent prefix)
+        breadth = (hi - best)[:, None, None] * scale + cfg.min_bfs_breadth - dd * scale  # [B, 1, D]
+        breadth = jnp.maximum(jnp.floor(breadth), 1).astype(jnp.int32)
+        # rank among siblings (unique nodes at the same depth under the same parent prefix), by their
+        # best occurrence: longest match, then most recent (SGLang: longest anchor first, children by recency)
         parent_rep = jnp.concatenate([jnp.zeros((b, k, 1), jnp.int32), rep[:, :, :-1]], 2)  # [B, K, D]
         sib = (unique[:, None, :, :] & (parent_rep[:, None, :, :] == parent_rep[:, :, None, :]))  # [B, K(c), K(c''), D]
-        better = (count[:, None, :, :] > count[:, :, None, :]) | ((count[:, None, :, :] == count[:, :, None, :]) & (c[:, None, :, :] < c[:, :, None, :]))
-        rank = (sib & better).sum(2)  # [B, K, D]
-        kept = unique & (rank < breadth[:, None, None])
+        rank = (sib & (c[:, None, :, :] < c[:, :, None, :])).sum(2)  # [B, K, D]
+        kept = unique & (rank < breadth)
         alive = _prefix_alive(kept, parent_rep)  # a node survives only if its whole prefix does
-        # level by level; inside a level: more frequent first, then the better occurrence
-        key = jnp.where(alive, (d - dd) * big * big + count * big - c, -1)
+        key = jnp.where(alive, (d - dd) * big - c, -1)  # level by level, better occurrences first
     top, flat = jax.lax.top_k(key.reshape(b, k * d), n_nodes)
     ok = top >= 0
     occ, dep = flat // d, flat % d
@@ -189,10 +194,12 @@ class NgramProposer(Proposer):
 
 class Corpus:
     """The shared n-gram text: finished requests' tokens, newest last, at most `capacity` tokens.
-    `device()` pads it to a power-of-two length (SEP-filled in front) so that few shapes compile."""
+    `device()` pads it to a power-of-two length of at least `reserve` (SEP-filled in front) so that
+    few shapes compile."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, reserve: int = 4096):
         self.capacity = capacity
+        self.reserve = reserve
         self.buf = np.zeros((0,), np.int32)
 
     def add(self, seqs) -> None:
@@ -200,7 +207,7 @@ class Corpus:
         self.buf = np.concatenate(parts)[-self.capacity :]
 
     def device(self):
-        n = max(64, 1 << int(np.ceil(np.log2(max(len(self.buf), 1)))))
+        n = max(self.reserve, 1 << int(np.ceil(np.log2(max(len(self.buf), 1)))))
         out = np.full((n,), SEP, np.int32)
         if len(self.buf):
             out[n - len(self.buf) :] = self.buf
