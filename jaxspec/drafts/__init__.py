@@ -46,7 +46,8 @@ def bundled_draft_for(target_path: str | None, target_cfg, algorithm: str | None
     for path, meta in bundled_drafts().items():
         if meta["target"].lower() not in base or not all(getattr(target_cfg, k) == v for k, v in meta["shape"].items()):
             continue
-        if (meta["algorithm"] != algorithm) if algorithm is not None else not meta.get("default", False):
+        wanted = meta["algorithm"] == algorithm if algorithm is not None else meta.get("default", False)
+        if not wanted:
             continue
         tree = meta.get("tree", {}).get(platform or _platform())
         return meta["algorithm"], path, None if tree is None else (tree["num_steps"], tree["eagle_topk"], tree["num_draft_tokens"])
