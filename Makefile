@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast serve bench clean
+.PHONY: install test test-fast serve chat bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -25,7 +25,11 @@ test: install  ## the full CPU test suite
 test-fast: install  ## skip the slow end-to-end checks
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-serve: install  ## until `jaxspec serve` lands (issue 5): an interactive chat demo on the default model
+SERVE_ARGS ?=
+serve: install  ## OpenAI-compatible server on http://127.0.0.1:30000: the default model + its shipped EAGLE-3 draft
+	$(VENV)/bin/jaxspec serve $(SERVE_ARGS)
+
+chat: install  ## an interactive terminal chat on the default model (no server)
 	$(VENV)/bin/jaxspec generate --interactive --max-new-tokens 256
 
 bench: install  ## plain decode: jaxspec vs HF transformers, batch 1, MT-bench prompts

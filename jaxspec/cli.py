@@ -19,7 +19,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-path", default=None, help="tokenizer directory if it differs from --model-path")
     g.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"], help="parameter and KV-cache dtype (auto = float32)")
     g.add_argument("--context-length", type=int, default=None, help="maximum prompt + output tokens (default: the model's max_position_embeddings)")
-    g.add_argument("--max-running-requests", type=int, default=8, help="maximum batch size of one compiled decode")
+    g.add_argument("--max-running-requests", type=int, default=8,
+                   help="maximum batch size of one compiled decode (serve: request slots; default there: what fits, at most 8 on CPU / 64 on GPU)")
     g.add_argument("--chunked-prefill-size", type=int, default=512, help="prompt tokens per prefill chunk")
     g.add_argument("--attention-backend", default="xla", choices=["xla"], help="attention implementation")
     g.add_argument("--random-seed", type=int, default=0)
@@ -108,7 +109,7 @@ def cmd_generate(args) -> int:
 
 def _interactive(args, sp) -> int:
     eng = _engine(args)
-    print("jaxspec chat demo (Ctrl-D to quit). The OpenAI-compatible server arrives with `jaxspec serve` (issue 5).", flush=True)
+    print("jaxspec chat demo (Ctrl-D to quit). For the OpenAI-compatible server: `jaxspec serve` / `make serve`.", flush=True)
     history: list[dict] = []
     while True:
         try:
@@ -130,14 +131,6 @@ def cmd_bench(args) -> int:
 
     run_sweep(args)
     return 0
-
-
-def cmd_not_yet(name: str, issue: str):
-    def run(args) -> int:
-        print(f"jaxspec {name}: not yet implemented (arrives with {issue}); see README.md", file=sys.stderr)
-        return 2
-
-    return run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,8 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_parser(sub)
 
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (not yet: issue 5)")
-    sv.set_defaults(func=cmd_not_yet("serve", "issue 5"))
+    from server.launch import add_serve_args, cmd_serve
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    _add_model_args(sv)
+    add_serve_args(sv)
+    sv.set_defaults(func=cmd_serve)
     b = sub.add_parser("bench", help="bench_speculative-style sweep: batch size x steps x topk x draft tokens")
     b.add_argument("--batch-size", type=int, nargs="+", default=[1], help="batch sizes to sweep")
     b.add_argument("--steps", type=int, nargs="+", default=None, help="speculative_num_steps values (default: the auto choice)")

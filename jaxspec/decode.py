@@ -69,6 +69,7 @@ class DecodeState:
     counts: jax.Array  # [B, V] int32 output-token counts (frequency/presence penalties)
     seen: jax.Array  # [B, V] bool prompt + output tokens (repetition penalty)
     cache: KVCache
+    base: jax.Array | None = None  # [B] server: `out` is a window holding tokens base .. num_out - 1
 
 
 def init_state(cache: KVCache, prompt, prompt_lens, max_new_tokens, vocab: int, buf: int) -> DecodeState:
@@ -97,7 +98,8 @@ def record(state: DecodeState, logits, st: SamplingTensors, max_new_tokens, stop
     tok = sample(logits, st, state.counts, state.seen, keys)
     active = ~state.done
     rows = jnp.arange(b)
-    out = state.out.at[rows, state.num_out].set(jnp.where(active, tok, 0), mode="drop")
+    col = state.num_out if state.base is None else state.num_out - state.base
+    out = state.out.at[rows, col].set(jnp.where(active, tok, 0), mode="drop")
     counts = state.counts.at[rows, tok].add(active.astype(jnp.int32))
     seen = state.seen.at[rows, tok].max(active)
     num_out = state.num_out + active

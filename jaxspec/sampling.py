@@ -121,6 +121,12 @@ class SamplingTensors:
         )
 
 
+    @classmethod
+    def build_default(cls, batch: int) -> "SamplingTensors":
+        """Greedy placeholders for `batch` empty slots."""
+        return cls.build([SamplingParams(temperature=0.0)] * batch, [0] * batch)
+
+
 def apply_penalties(logits, st: SamplingTensors, counts, seen):
     """logits [B, V] f32; counts [B, V] int32 (output tokens); seen [B, V] bool (prompt + output)."""
     rp = st.repetition_penalty[:, None]

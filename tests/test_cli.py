@@ -52,9 +52,11 @@ def test_user_errors_are_one_line(args, match):
     assert len([ln for ln in r.stderr.splitlines() if ln.startswith("jaxspec: error")]) == 1
 
 
-def test_serve_placeholder_says_not_yet():
-    r = run("serve")
-    assert r.returncode == 2 and "not yet" in r.stderr
+def test_serve_bad_flags_are_one_line():
+    r = run("serve", "--port", "0")
+    assert r.returncode == 2 and "--port" in r.stderr and "Traceback" not in r.stderr
+    r = run("serve", "--speculative-algorithm", "NONE", "--mem-fraction-static", "1e-9")
+    assert r.returncode == 2 and "out of memory" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.slow

@@ -24,7 +24,19 @@ from jaxspec.decode import LENGTH, RUNNING, STOPPED, target_prefill
 from jaxspec.sampling import SamplingTensors, sample
 from jaxspec.spec import tree as tree_lib
 from jaxspec.spec.proposers.base import DraftState, Proposer
-from jaxspec.spec.verify import greedy_verify, verify
+from jaxspec.spec.verify import Accepted, greedy_verify, verify
+
+
+def prefill_step(tgt, prop: Proposer, dparams, cache: KVCache, dcache, tokens, dtokens, start, prompt_lens, last_h, last_feat, backend="xla"):
+    """Target and draft prefill of one chunk (the body of `spec_prefill_chunk`, also used by the
+    server on slot views). Returns (cache, dcache, last_h, last_feat)."""
+    h, cap, cache, keep = target_prefill(tgt, cache, tokens, start, prompt_lens, prop.capture_layers, backend)
+    feats = prop.features(h, cap)
+    last_h = keep(h, last_h)
+    if feats is not None:
+        last_feat = keep(feats, last_feat)
+    dcache = prop.prefill_chunk(dparams, tgt, dcache, dtokens, feats, start, prompt_lens - prop.shift)
+    return cache, dcache, last_h, last_feat
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "prop", "backend"), donate_argnames=("cache", "dcache"))
@@ -33,14 +45,8 @@ def spec_prefill_chunk(graphdef, params, prop: Proposer, dparams, cache: KVCache
     """Target and draft prefill of one chunk. tokens: prompt [B, C]; dtokens: the draft's tokens for
     the same entries (prompt shifted by `prop.shift`). last_h [B, H] / last_feat [B, F]: the target
     hidden and draft feature of each slot's last prompt token (updated when it is in this chunk)."""
-    tgt = nnx.merge(graphdef, params)
-    h, cap, cache, keep = target_prefill(tgt, cache, tokens, start, prompt_lens, prop.capture_layers, backend)
-    feats = prop.features(h, cap)
-    last_h = keep(h, last_h)
-    if feats is not None:
-        last_feat = keep(feats, last_feat)
-    dcache = prop.prefill_chunk(dparams, tgt, dcache, dtokens, feats, start, prompt_lens - prop.shift)
-    return cache, dcache, last_h, last_feat
+    return prefill_step(nnx.merge(graphdef, params), prop, dparams, cache, dcache, tokens, dtokens, start, prompt_lens,
+                        last_h, last_feat, backend)
 
 
 @jax.tree_util.register_dataclass
@@ -55,6 +61,10 @@ class SpecState:
     draft: DraftState
     verify_ct: jax.Array  # [B] rounds run while the slot was active
     hist: jax.Array  # [B, D + 2] histogram of tokens emitted per round (1 .. D + 1)
+    # server only (jaxspec/serving.py); None in generate():
+    base: jax.Array | None = None  # [B] `out` is a window holding tokens base .. num_out - 1
+    counts: jax.Array | None = None  # [B, V] int32 output-token counts (penalties of plain slots)
+    seen: jax.Array | None = None  # [B, V] bool prompt + output tokens
 
 
 def emit(state: SpecState, new, n_new, max_new_tokens, stop_ids):
@@ -68,13 +78,20 @@ def emit(state: SpecState, new, n_new, max_new_tokens, stop_ids):
     room = max_new_tokens - state.num_out
     stopped = has_stop & (count <= room)
     count = jnp.where(active, jnp.minimum(count, room), 0)
-    cols = jnp.where(i < count[:, None], state.num_out[:, None] + i, state.out.shape[1])  # out of range = dropped
+    start = state.num_out if state.base is None else state.num_out - state.base
+    cols = jnp.where(i < count[:, None], start[:, None] + i, state.out.shape[1])  # out of range = dropped
     out = state.out.at[jnp.arange(b)[:, None], cols].set(new, mode="drop")
     num_out = state.num_out + count
     hit_len = active & ~stopped & (num_out >= max_new_tokens)
     stopped &= active
     finish = jnp.where(stopped, STOPPED, jnp.where(hit_len, LENGTH, state.finish))
-    return dataclasses.replace(state, out=out, num_out=num_out, done=state.done | stopped | hit_len, finish=finish)
+    counts, seen = state.counts, state.seen
+    if counts is not None:
+        emitted = (i < count[:, None]).astype(jnp.int32)
+        counts = counts.at[jnp.arange(b)[:, None], new].add(emitted)
+        seen = seen.at[jnp.arange(b)[:, None], new].max(emitted > 0)
+    return dataclasses.replace(state, out=out, num_out=num_out, done=state.done | stopped | hit_len, finish=finish,
+                               counts=counts, seen=seen)
 
 
 def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState):
@@ -92,7 +109,9 @@ def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState)
     return tree_lib.rerank(state.last, cand, spec.num_draft_tokens, spec.num_steps), d["state"]
 
 
-def spec_round(tgt, prop, dparams, spec: SpecConfig, state: SpecState, st, max_new_tokens, stop_ids, thr, backend):
+def spec_round(tgt, prop, dparams, spec: SpecConfig, state: SpecState, st, max_new_tokens, stop_ids, thr, backend, plain=None):
+    """One round. plain: [B] bool or None (server): those slots accept no draft and take the
+    target's own sample at the root (with penalties), i.e. plain decoding inside the round."""
     steps = spec.num_steps
     tree, dstate = draft_tree(prop, dparams, tgt, spec, state)
     cache = state.cache
@@ -103,6 +122,8 @@ def spec_round(tgt, prop, dparams, spec: SpecConfig, state: SpecState, st, max_n
         acc = greedy_verify(tree, tgt.logits(h), steps)
     else:
         acc = verify(tree, tgt.logits(h), st, keys, steps, thr[0], thr[1])
+    if plain is not None:
+        acc = _plain_slots(tgt, h, acc, plain, st, state, keys)
     active = ~state.done
     n_new = acc.num + 1
     cache = cache.commit_path(acc.path)
@@ -124,6 +145,19 @@ def spec_round(tgt, prop, dparams, spec: SpecConfig, state: SpecState, st, max_n
         bfeats = None if feats is None else jnp.take_along_axis(feats, acc.path[:, :, None], 1)
     dstate = prop.extend(dparams, tgt, dstate, block, bfeats, n_block, active)
     return dataclasses.replace(state, draft=dstate, last=jnp.where(active, acc.bonus, state.last))
+
+
+def _plain_slots(tgt, h, acc: Accepted, plain, st: SamplingTensors, state: SpecState, keys) -> Accepted:
+    """Overrides the verification of `plain` slots: no draft accepted, the bonus sampled from the
+    root's logits by the plain sampler (penalties from state.counts / state.seen)."""
+
+    def override():
+        counts = state.counts if state.counts is not None else jnp.zeros(h.shape[:1] + (tgt.cfg.vocab_size,), jnp.int32)
+        seen = state.seen if state.seen is not None else counts > 0
+        tok = sample(tgt.logits(h[:, 0]).astype(jnp.float32), st, counts, seen, keys)
+        return Accepted(jnp.where(plain, 0, acc.num), jnp.where(plain[:, None], 0, acc.path), jnp.where(plain, tok, acc.bonus))
+
+    return jax.lax.cond(jnp.any(plain), override, lambda: acc)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "prop", "spec", "buf", "backend"), donate_argnames=("cache", "dcache"))

@@ -1,0 +1,170 @@
+"""Load test of `jaxspec serve`: plain vs speculative serving, side by side in one run.
+
+    python benchmarks/bench_serve.py [--modes plain eagle3 eagle3-no-overlap] [--concurrency 1 4 16]
+        [--requests 16] [--time-limit 300] [--max-tokens 128] [--temperature 0]
+
+For each mode it starts a server on 127.0.0.1 (a free port; loopback only), sends MT-bench first
+turns as streaming chat completions from `c` client threads for each concurrency `c`, and reports
+output throughput (completion tokens / wall time), request latency and time-to-first-token
+percentiles, and the mean accept length. Each level is bounded by --requests and --time-limit;
+each level first runs once untimed (--warmup) so that every program shape it needs is compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+from common import machine, mtbench_first_turns
+
+MODES = {
+    "plain": ["--speculative-algorithm", "NONE"],
+    "eagle3": [],  # the default: the shipped EAGLE-3 head, overlap on
+    "eagle3-no-overlap": ["--disable-overlap-schedule"],
+    "plain-no-overlap": ["--speculative-algorithm", "NONE", "--disable-overlap-schedule"],
+    "eagle2": ["--speculative-algorithm", "EAGLE"],
+    "ngram": ["--speculative-algorithm", "NGRAM"],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(extra, port, args):
+    cmd = [sys.executable, "-m", "jaxspec.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--context-length",
+           str(args.context_length), "--max-running-requests", str(max(args.concurrency)), "--cuda-graph-max-bs",
+           str(max(args.concurrency)), *(["--model-path", args.model_path] if args.model_path else []), *extra, *args.server_args]
+    log = open(os.path.join(args.out, f"server-{port}.log"), "w")
+    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    t = time.time()
+    while True:
+        if p.poll() is not None:
+            raise SystemExit(f"server exited ({p.returncode}); see {log.name}")
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                return p, time.time() - t
+        except OSError:
+            pass
+        if time.time() - t > args.startup_timeout:
+            p.kill()
+            raise SystemExit(f"server did not start in {args.startup_timeout} s; see {log.name}")
+        time.sleep(0.5)
+
+
+def one_request(port, question, args):
+    body = {"model": "default", "messages": [{"role": "user", "content": question}], "max_tokens": args.max_tokens,
+            "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    c.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]}")
+    ttft = None
+    tokens = verify = 0
+    for line in r:
+        line = line.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        ev = json.loads(line[6:])
+        if ttft is None and ev.get("choices") and ev["choices"][0].get("delta", {}).get("content"):
+            ttft = time.perf_counter() - t0
+        if ev.get("usage"):
+            tokens = ev["usage"]["completion_tokens"]
+        if "spec_metrics" in ev:
+            verify = ev["spec_metrics"]["spec_verify_ct"]
+    c.close()
+    return time.perf_counter() - t0, ttft, tokens, verify
+
+
+def run_level(port, questions, conc, args):
+    todo: queue.Queue = queue.Queue()
+    for q in questions[: args.requests]:
+        todo.put(q)
+    rows, lock = [], threading.Lock()
+    deadline = time.perf_counter() + args.time_limit
+
+    def worker():
+        while time.perf_counter() < deadline:
+            try:
+                q = todo.get_nowait()
+            except queue.Empty:
+                return
+            res = one_request(port, q, args)
+            with lock:
+                rows.append(res)
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(conc)]
+    [th.start() for th in threads]
+    [th.join() for th in threads]
+    wall = time.perf_counter() - t
+    lat = np.array([r[0] for r in rows])
+    ttft = np.array([r[1] for r in rows if r[1] is not None])
+    tokens = sum(r[2] for r in rows)
+    verify = sum(r[3] for r in rows)
+    pct = lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan")  # noqa: E731
+    return dict(concurrency=conc, requests=len(rows), wall_s=wall, tokens=tokens, tok_per_s=tokens / wall,
+                accept=tokens / verify if verify else float("nan"), lat_p50=pct(lat, 50), lat_p90=pct(lat, 90), lat_p99=pct(lat, 99),
+                ttft_p50=pct(ttft, 50), ttft_p99=pct(ttft, 99))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--modes", nargs="+", default=["plain", "eagle3", "eagle3-no-overlap"], choices=sorted(MODES))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level (at most)")
+    ap.add_argument("--time-limit", type=float, default=300, help="seconds per level before workers stop taking requests")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--context-length", type=int, default=2048)
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed pass before each level")
+    ap.add_argument("--startup-timeout", type=float, default=900)
+    ap.add_argument("--out", default="benchmarks/out")
+    ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra `jaxspec serve` flags (last)")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    questions = mtbench_first_turns(max(args.requests, 2) + 1)[1:]
+    print(f"# {machine()}\n# max_tokens {args.max_tokens}, temperature {args.temperature}, {args.requests} requests per level")
+    print("| mode | concurrency | requests | out tok/s | accept | latency p50 / p90 / p99 (s) | TTFT p50 / p99 (s) |")
+    print("|---|---|---|---|---|---|---|")
+    results = []
+    for mode in args.modes:
+        port = free_port()
+        p, startup = start_server(MODES[mode], port, args)
+        try:
+            for conc in args.concurrency:
+                if args.warmup:  # the same level untimed first: every shape it hits compiles here
+                    run_level(port, questions, conc, args)
+                r = dict(mode=mode, startup_s=startup, **run_level(port, questions, conc, args))
+                results.append(r)
+                print(f"| {mode} | {conc} | {r['requests']} | {r['tok_per_s']:.1f} | {r['accept']:.2f} | "
+                      f"{r['lat_p50']:.2f} / {r['lat_p90']:.2f} / {r['lat_p99']:.2f} | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} |", flush=True)
+        finally:
+            p.terminate()
+            p.wait(120)
+    with open(os.path.join(args.out, "serve.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    base = {r["concurrency"]: r["tok_per_s"] for r in results if r["mode"] == "plain"}
+    for r in results:
+        if r["mode"] != "plain" and r["concurrency"] in base:
+            print(f"# {r['mode']} / plain at concurrency {r['concurrency']}: {r['tok_per_s'] / base[r['concurrency']]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The server's device side: a fixed set of request slots that requests join and leave between
+compiled dispatches (continuous batching). The host side (queue, streaming, HTTP) is in server/.
+
+    batch = SlotBatch.create(...)                         # B slots, each with a context of S columns
+    batch = admit_chunk(..., batch, rows, tokens, ...)    # prefill new requests into free slots
+    batch, first = admit_finish(..., batch, rows, ...)    # their first token + per-slot parameters
+    batch, outs = dispatch(..., batch, kill, k=..., n_act=..., span=...)   # k rounds for slots [0, n_act)
+
+Shapes are static per program: `n` (admitted requests, bucketed), the prefill chunk, `n_act`
+(a power of two covering the highest busy slot; the host fills low slots first) and `span`
+(attention reads KV columns [0, span), bucketed above every busy slot's length). Everything else
+(lengths, which slots are busy or killed) is data. Per-slot arrays are gathered / scattered with
+`take_rows` / `put_rows`; KV caches are written in place through slot views (cache.py).
+
+`prop is None` is plain decoding (the state is a DecodeState); otherwise a SpecState whose
+`plain` slots decode without speculation inside the round (spec_round(plain=...)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.cache import KVCache
+from jaxspec.decode import LENGTH, RUNNING, STOPPED, DecodeState, decode_step, target_prefill
+from jaxspec.sampling import SamplingTensors, sample
+from jaxspec.spec.loop import SpecState, prefill_step, spec_round
+from jaxspec.spec.proposers.base import DraftState
+
+
+def _is_cache(x) -> bool:
+    return isinstance(x, KVCache)
+
+
+def take_rows(tree, rows, span=None):
+    """The slots `rows` [n] of a per-slot pytree: arrays -> x[rows], KV caches -> slot views."""
+    return jax.tree_util.tree_map(lambda x: x.view(rows, span) if _is_cache(x) else x[rows], tree, is_leaf=_is_cache)
+
+
+def put_rows(tree, rows, sub):
+    """Writes `sub` (from take_rows) back into the slots `rows` of `tree`."""
+    return jax.tree_util.tree_map(lambda x, y: x.unview(y) if _is_cache(x) else x.at[rows].set(y), tree, sub, is_leaf=_is_cache)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotBatch:
+    core: DecodeState | SpecState  # its `out` is the window [B, W] of the latest dispatch
+    st: SamplingTensors  # [B] per-slot sampling parameters
+    max_new: jax.Array  # [B] int32
+    stop_ids: jax.Array  # [B, K] int32, -1 padded
+    plain: jax.Array  # [B] bool: decode this slot without speculation
+    last_h: jax.Array  # [B, H] prefill carry: target hidden of the last prompt token
+    last_feat: jax.Array  # [B, F] prefill carry: the draft's feature of it ([B, 1] when unused)
+
+    @classmethod
+    def create(cls, cfg, prop, slots: int, max_len: int, window: int, num_stop: int, dtype, num_steps: int = 0) -> "SlotBatch":
+        """Empty slots. max_len: KV columns per slot (context + the round's scratch region);
+        window: tokens one dispatch can emit per slot; num_stop: stop-token columns."""
+        b, v = slots, cfg.vocab_size
+        cache = KVCache.create(cfg, b, max_len, dtype)
+        zi = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
+        common = dict(out=zi(b, window), num_out=zi(b), done=jnp.ones((b,), bool), finish=zi(b), last=zi(b), cache=cache, base=zi(b))
+        if prop is None:
+            core = DecodeState(counts=zi(b, v), seen=jnp.zeros((b, v), bool), **common)
+            feat = 1
+        else:
+            draft = DraftState(prop.make_cache(b, max_len, dtype), jnp.zeros((b, prop.draft_vocab), jnp.float32),
+                               jnp.zeros((b, prop.cfg.hidden_size if prop.uses_hidden else 1), dtype))
+            core = SpecState(draft=draft, verify_ct=zi(b), hist=zi(b, num_steps + 2), counts=zi(b, v), seen=jnp.zeros((b, v), bool), **common)
+            feat = (3 if prop.capture_layers else 1) * cfg.hidden_size if prop.uses_hidden else 1
+        st = SamplingTensors.build_default(b)
+        return cls(core, st, zi(b), jnp.full((b, num_stop), -1, jnp.int32), jnp.zeros((b,), bool),
+                   jnp.zeros((b, cfg.hidden_size), dtype), jnp.zeros((b, feat), dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "prop", "span", "backend"), donate_argnames=("batch",))
+def admit_chunk(graphdef, params, prop, dparams, batch: SlotBatch, rows, tokens, dtokens, start, prompt_lens, span: int, backend="xla"):
+    """Prefills one chunk of n new requests into the slots `rows` [n].
+
+    tokens: [n, C] prompt tokens at positions [start, start + C); dtokens: the draft's tokens for the
+    same entries (prompt shifted by prop.shift; unused when prop is None); prompt_lens: [n]."""
+    tgt = nnx.merge(graphdef, params)
+    core = batch.core
+    cache = core.cache.view(rows, span)
+    last_h, last_feat = batch.last_h[rows], batch.last_feat[rows]
+    if prop is None:
+        h, _, cache, keep = target_prefill(tgt, cache, tokens, start, prompt_lens, backend=backend)
+        last_h = keep(h, last_h)
+    else:
+        dcache = take_rows(core.draft.cache, rows, span)
+        cache, dcache, last_h, last_feat = prefill_step(tgt, prop, dparams, cache, dcache, tokens, dtokens, start, prompt_lens,
+                                                        last_h, last_feat, backend)
+        core = dataclasses.replace(core, draft=dataclasses.replace(core.draft, cache=put_rows(core.draft.cache, rows, dcache)))
+    core = dataclasses.replace(core, cache=core.cache.unview(cache))
+    return dataclasses.replace(batch, core=core, last_h=batch.last_h.at[rows].set(last_h), last_feat=batch.last_feat.at[rows].set(last_feat))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "prop", "span", "backend"), donate_argnames=("batch",))
+def admit_finish(graphdef, params, prop, dparams, batch: SlotBatch, rows, st: SamplingTensors, max_new, stop_ids, plain, seen,
+                 span: int, backend="xla"):
+    """After the last prefill chunk: samples each new request's first token, starts its draft, and
+    sets its slot's parameters. st: [n]; max_new: [n] (>= 1); stop_ids: [n, K]; plain: [n] bool;
+    seen: [n, V] bool prompt tokens. Returns (batch, first tokens [n])."""
+    tgt = nnx.merge(graphdef, params)
+    n = rows.shape[0]
+    counts = jnp.zeros(seen.shape, jnp.int32)
+    keys = jax.vmap(jax.random.fold_in)(st.keys, jnp.zeros((n,), jnp.int32))
+    first = sample(tgt.logits(batch.last_h[rows]).astype(jnp.float32), st, counts, seen, keys)
+    is_stop = jnp.any(first[:, None] == stop_ids, -1)
+    done = is_stop | (max_new <= 1)
+    one = jax.nn.one_hot(first, seen.shape[1], dtype=jnp.int32)
+    core = batch.core
+    fields = dict(num_out=jnp.ones((n,), jnp.int32), base=jnp.ones((n,), jnp.int32), done=done,
+                  finish=jnp.where(is_stop, STOPPED, jnp.where(done, LENGTH, RUNNING)).astype(jnp.int32), last=first,
+                  counts=one, seen=seen | (one > 0))
+    put = lambda name, x: getattr(core, name).at[rows].set(x)  # noqa: E731
+    if prop is not None:
+        d = take_rows(core.draft, rows, span)
+        feats = batch.last_feat[rows][:, None] if prop.uses_hidden else None
+        d = prop.extend(dparams, tgt, d, first[:, None], feats, jnp.ones((n,), jnp.int32), jnp.ones((n,), bool))
+        core = dataclasses.replace(core, draft=put_rows(core.draft, rows, d))
+        fields.update(verify_ct=jnp.zeros((n,), jnp.int32), hist=jnp.zeros((n,) + core.hist.shape[1:], jnp.int32))
+    core = dataclasses.replace(core, **{k: put(k, v) for k, v in fields.items()})
+    batch = dataclasses.replace(
+        batch, core=core, st=put_rows(batch.st, rows, st), max_new=batch.max_new.at[rows].set(max_new),
+        stop_ids=batch.stop_ids.at[rows].set(stop_ids), plain=batch.plain.at[rows].set(plain),
+    )
+    return batch, first
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "prop", "spec", "k", "n_act", "span", "backend"), donate_argnames=("batch",))
+def dispatch(graphdef, params, prop, dparams, spec, batch: SlotBatch, kill, k: int, n_act: int, span: int, backend="xla"):
+    """Up to k rounds (plain: decode steps) for slots [0, n_act), stopping early when all are done.
+
+    kill: [B] bool, slots to stop first (cancelled requests). Returns (batch, outs) with outs =
+    (window tokens [n_act, W], new-token counts [n_act], done [n_act], finish [n_act],
+    verify_ct [n_act], hist [n_act, D + 2]); plain mode reports verify_ct = num_out and no hist."""
+    tgt = nnx.merge(graphdef, params)
+    rows = jnp.arange(n_act)
+    sub = take_rows(batch, rows, span)
+    core = sub.core
+    core = dataclasses.replace(core, done=core.done | kill[:n_act], out=jnp.zeros_like(core.out), base=core.num_out)
+    if prop is None:
+        step = lambda s: decode_step(tgt, s, sub.st, sub.max_new, sub.stop_ids, backend)  # noqa: E731
+    else:
+        thr = (jnp.full((n_act,), spec.accept_threshold_single, jnp.float32), jnp.full((n_act,), spec.accept_threshold_acc, jnp.float32))
+        step = lambda s: spec_round(tgt, prop, dparams, spec, s, sub.st, sub.max_new, sub.stop_ids, thr, backend, plain=sub.plain)  # noqa: E731
+    _, core = jax.lax.while_loop(lambda c: (c[0] < k) & ~jnp.all(c[1].done), lambda c: (c[0] + 1, step(c[1])), (jnp.int32(0), core))
+    batch = put_rows(batch, rows, dataclasses.replace(sub, core=core))
+    if prop is None:
+        extra = (core.num_out, jnp.zeros((n_act, 1), jnp.int32))
+    else:
+        extra = (core.verify_ct, core.hist)
+    return batch, (core.out, core.num_out - core.base, core.done, core.finish) + extra

@@ -1,0 +1,351 @@
+"""The HTTP API: OpenAI-compatible (/v1/chat/completions, /v1/completions, /v1/models) and
+SGLang-native (/generate, /get_server_info, /health, /metrics) endpoints over a Scheduler.
+
+Every error is an OpenAI-style JSON body {"error": {"message", "type", "code"}}, never a
+traceback: 400 bad input (too long a prompt, invalid parameters), 401 missing/wrong API key,
+404 unknown model, 413 oversized body, 503 (with Retry-After) full queue or shutting down,
+500 a bug (logged with its traceback on the server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from jaxspec.errors import JaxspecError
+from server import protocol
+from server.scheduler import QueueFull, Request as SchedRequest, Scheduler
+
+logger = logging.getLogger("jaxspec.server")
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, type_: str, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.headers = status, message, type_, headers or {}
+
+
+def error_body(status: int, message: str, type_: str) -> dict:
+    return {"object": "error", "error": {"message": message, "type": type_, "param": None, "code": status}}
+
+
+def _error_response(status, message, type_, headers=None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, type_), status_code=status, headers=headers)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class Guard:
+    """ASGI middleware: API key (all routes but /health) and request-body size limit."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.api_key and scope["path"] != "/health":
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            if auth != f"Bearer {self.api_key}":
+                resp = _error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "AuthenticationError")
+                return await resp(scope, receive, send)
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            resp = _error_response(413, f"request body of {int(length)} bytes exceeds the limit of {self.max_body}", "RequestTooLarge")
+            return await resp(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_body:
+                    raise _BodyTooLarge()
+            return msg
+
+        return await self.app(scope, counted, send)
+
+
+def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 16 << 20,
+               server_args: dict | None = None, manage_scheduler: bool = True) -> FastAPI:
+    eng = sched.eng
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if manage_scheduler and sched._thread is None:
+            sched.start()
+        yield
+        if manage_scheduler:
+            left = sched.running + sched.queue_depth
+            logger.warning("shutting down%s", f": cancelling {left} queued or running requests" if left else "")
+            await asyncio.get_running_loop().run_in_executor(None, sched.shutdown)
+
+    app = FastAPI(title="jaxspec", lifespan=lifespan)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(request, e: HTTPError):
+        return _error_response(e.status, e.message, e.type, e.headers)
+
+    @app.exception_handler(JaxspecError)
+    async def _user_error(request, e: JaxspecError):
+        return _error_response(400, str(e), "BadRequestError")
+
+    @app.exception_handler(RequestValidationError)
+    @app.exception_handler(ValidationError)
+    async def _validation(request, e):
+        parts = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+        return _error_response(400, "invalid request: " + "; ".join(parts), "BadRequestError")
+
+    @app.exception_handler(_BodyTooLarge)
+    async def _too_large(request, e):
+        return _error_response(413, f"request body exceeds the limit of {max_body_bytes} bytes", "RequestTooLarge")
+
+    @app.exception_handler(Exception)
+    async def _bug(request, e: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return _error_response(500, f"internal server error: {type(e).__name__}", "InternalServerError")
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    async def parse(request: Request, model):
+        """The JSON body as `model` (whatever the Content-Type: `curl -d` sends form-encoded)."""
+        raw = await request.body()
+        try:
+            data = json.loads(raw or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HTTPError(400, f"the request body is not valid JSON: {e}", "BadRequestError") from None
+        if not isinstance(data, dict):
+            raise HTTPError(400, "the request body must be a JSON object", "BadRequestError")
+        return model.model_validate(data)
+
+    def check_model(name: str | None) -> None:
+        if name not in (None, "", "default", served_model_name):
+            raise HTTPError(404, f"model {name!r} is not served here; use {served_model_name!r} or 'default'", "NotFoundError")
+
+    def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        if eng.tokenizer is None:
+            raise JaxspecError("this server has no tokenizer; send input_ids")
+        with sched.tok_lock:
+            return eng._encode(text, add_special_tokens=add_special_tokens)
+
+    def submit(ids, params, speculative: bool) -> tuple[SchedRequest, asyncio.Queue]:
+        if sched.error:
+            raise HTTPError(503, f"the scheduler stopped after an internal error: {sched.error}", "ServiceUnavailable")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        req = SchedRequest(ids=list(ids), params=params, speculative=speculative, emit=lambda e: loop.call_soon_threadsafe(q.put_nowait, e))
+        try:
+            sched.submit(req)
+        except QueueFull as e:
+            raise HTTPError(503, f"server busy: {e}; retry later", "ServiceUnavailable", {"Retry-After": "1"}) from None
+        return req, q
+
+    async def events(request: Request, req: SchedRequest, q: asyncio.Queue):
+        """Scheduler events of one request; cancels it if the client goes away."""
+        try:
+            while True:
+                try:
+                    e = await asyncio.wait_for(q.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        sched.cancel(req)
+                        return
+                    continue
+                yield e
+                if e["type"] in ("done", "error"):
+                    return
+        finally:
+            if not req.finished:
+                sched.cancel(req)
+
+    async def collect(request, req, q) -> dict:
+        async for e in events(request, req, q):
+            if e["type"] == "error":
+                raise HTTPError(500, e["message"], "InternalServerError")
+            if e["type"] == "done":
+                return e["result"]
+        raise HTTPError(499, "client disconnected", "ClientClosedRequest")
+
+    def spec_metrics(res: dict) -> dict:
+        m = res["meta_info"]
+        keys = ("speculative", "spec_verify_ct", "spec_accept_length", "spec_accept_histogram", "ttft", "e2e_latency")
+        return {k: m[k] for k in keys if k in m}
+
+    def usage(res: dict) -> dict:
+        m = res["meta_info"]
+        return {"prompt_tokens": m["prompt_tokens"], "completion_tokens": m["completion_tokens"],
+                "total_tokens": m["prompt_tokens"] + m["completion_tokens"]}
+
+    def finish_fields(res: dict) -> dict:
+        r = res["meta_info"]["finish_reason"]
+        return {"finish_reason": r["type"], "matched_stop": r.get("matched")}
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    async def openai_run(request: Request, body, ids, chat: bool):
+        params = body.sampling(default_max=sched.context_length)
+        req, q = submit(ids, params, body.speculative)
+        rid = ("chatcmpl-" if chat else "cmpl-") + req.rid
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        if not body.stream:
+            res = await collect(request, req, q)
+            choice = {"index": 0, **finish_fields(res), "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": res["text"]}
+            else:
+                choice["text"] = res["text"]
+            return {"id": rid, "object": obj, "created": created, "model": served_model_name, "choices": [choice],
+                    "usage": usage(res), "spec_metrics": spec_metrics(res)}
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(piece: str | None, fin: dict | None, first: bool = False):
+            if chat:
+                delta = {"role": "assistant", "content": piece or ""} if first else ({"content": piece} if piece else {})
+                c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+            else:
+                c = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": None}
+            if fin is not None:
+                c.update(fin)
+            return {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created, "model": served_model_name, "choices": [c]}
+
+        async def gen():
+            if chat:
+                yield sse(chunk("", None, first=True))
+            async for e in events(request, req, q):
+                if e["type"] == "delta" and e["text"]:
+                    yield sse(chunk(e["text"], None))
+                elif e["type"] == "error":
+                    yield sse(error_body(500, e["message"], "InternalServerError"))
+                    break
+                elif e["type"] == "done":
+                    res = e["result"]
+                    last = chunk(None, finish_fields(res))
+                    last["spec_metrics"] = spec_metrics(res)
+                    yield sse(last)
+                    if include_usage:
+                        yield sse({"id": rid, "object": obj + ".chunk" if chat else obj, "created": created, "model": served_model_name,
+                                   "choices": [], "usage": usage(res)})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    # ---- endpoints ---------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        if sched.error:
+            return _error_response(503, f"scheduler stopped: {sched.error}", "ServiceUnavailable")
+        return PlainTextResponse("ok")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0, "owned_by": "jaxspec",
+                                            "root": served_model_name, "max_model_len": sched.context_length}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await parse(request, protocol.ChatCompletionRequest)
+        check_model(body.model)
+        body.sampling(default_max=sched.context_length)  # validate before tokenizing
+        with sched.tok_lock:
+            text = eng.apply_chat_template(body.conversation())
+        return await openai_run(request, body, encode(text, add_special_tokens=False), chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await parse(request, protocol.CompletionRequest)
+        check_model(body.model)
+        body.sampling(default_max=sched.context_length)
+        p = body.prompt_one()
+        ids = encode(p) if isinstance(p, str) else p
+        return await openai_run(request, body, ids, chat=False)
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await parse(request, protocol.GenerateRequest)
+        if (body.text is None) == (body.input_ids is None):
+            raise JaxspecError("pass exactly one of text or input_ids")
+        params = body.sampling()
+        ids = encode(body.text) if body.text is not None else body.input_ids
+        req, q = submit(ids, params, body.speculative)
+        if not body.stream:
+            return await collect(request, req, q)
+
+        async def gen():
+            text, out_ids = "", []
+            async for e in events(request, req, q):
+                if e["type"] == "delta":
+                    text += e["text"]
+                    out_ids += e["ids"]
+                    yield sse({"text": text, "output_ids": list(out_ids), "meta_info": {"id": req.rid, "completion_tokens": len(out_ids),
+                                                                                     "finish_reason": None}})
+                elif e["type"] == "error":
+                    yield sse(error_body(500, e["message"], "InternalServerError"))
+                    break
+                elif e["type"] == "done":
+                    yield sse(e["result"])
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/get_server_info")
+    async def server_info():
+        acc = sched.avg_spec_accept_length
+        internal = {"avg_spec_accept_length": acc, "last_gen_throughput": sched.stats.tokens_per_s(), "num_running_reqs": sched.running,
+                    "num_queue_reqs": sched.queue_depth, "memory_plan": sched.memory_plan}
+        return {**(server_args or {}), "served_model_name": served_model_name, "speculative_algorithm": eng.spec.algorithm,
+                "speculative_num_steps": eng.spec.num_steps, "speculative_eagle_topk": eng.spec.eagle_topk,
+                "speculative_num_draft_tokens": eng.spec.num_draft_tokens, "context_length": sched.context_length,
+                "max_running_requests": sched.slots, "num_continuous_decode_steps": sched.k, "overlap_schedule": sched.overlap,
+                "avg_spec_accept_length": acc, "internal_states": [internal]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(sched, served_model_name), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def prometheus_text(sched: Scheduler, model: str) -> str:
+    """Prometheus exposition text (SGLang's metric names under the jaxspec: prefix)."""
+    st = sched.stats
+    label = '{model_name="%s"}' % model.replace('"', "'")
+    rows: list[tuple[str, str, str, Any]] = [
+        ("num_requests_total", "counter", "requests accepted", st.requests),
+        ("num_requests_finished_total", "counter", "requests finished (stop or length)", st.finished),
+        ("num_requests_aborted_total", "counter", "requests cancelled (client gone or shutdown)", st.aborted),
+        ("num_requests_rejected_total", "counter", "requests refused because the queue was full", st.rejected),
+        ("prompt_tokens_total", "counter", "prompt tokens of accepted requests", st.prompt_tokens),
+        ("generation_tokens_total", "counter", "generated tokens", st.generation_tokens),
+        ("gen_throughput", "gauge", "generated tokens per second over the last 10 s", round(st.tokens_per_s(), 3)),
+        ("spec_accept_length", "gauge", "mean tokens per verification round of finished speculative requests",
+         sched.avg_spec_accept_length or 0.0),
+        ("spec_verify_ct_total", "counter", "verification rounds of finished speculative requests", st.spec_verify_ct),
+        ("num_running_reqs", "gauge", "requests holding a slot", sched.running),
+        ("num_queue_reqs", "gauge", "requests waiting for a slot", sched.queue_depth),
+        ("max_running_requests", "gauge", "request slots", sched.slots),
+    ]
+    out = []
+    for name, kind, help_, value in rows:
+        out += [f"# HELP jaxspec:{name} {help_}", f"# TYPE jaxspec:{name} {kind}", f"jaxspec:{name}{label} {value}"]
+    return "\n".join(out) + "\n"

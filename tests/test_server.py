@@ -1,0 +1,366 @@
+"""`jaxspec serve` end to end: a real uvicorn server (in a thread) over tiny random models that
+use SmolLM2's tokenizer and chat template, spoken to over HTTP.
+
+Checked: chat / completions / generate, streaming and not, concurrent requests token-identical to
+the same request served alone, every error status (400, 401, 404, 413, 503), client disconnect
+freeing its slot, metrics and server info, and SIGTERM finishing an in-flight stream.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import make_hf_model
+
+KEY = "sk-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """A tiny random target and draft with the real SmolLM2 tokenizer (so chat templates work)."""
+    from transformers import AutoTokenizer
+
+    from jaxspec.default_model import default_model_path
+
+    tok = AutoTokenizer.from_pretrained(default_model_path(progress=False))
+    d = tmp_path_factory.mktemp("serve")
+    kw = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, initializer_range=0.2,
+              max_position_embeddings=512)
+    for name, seed, layers in (("target", 3, 2), ("draft", 4, 1)):
+        make_hf_model("llama", seed, num_hidden_layers=layers, **kw).save_pretrained(d / name)
+        tok.save_pretrained(d / name)
+    return {"target": str(d / "target"), "draft": str(d / "draft")}
+
+
+class Server:
+    def __init__(self, app, sched):
+        import uvicorn
+
+        self.port = free_port()
+        self.sched = sched
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        t = time.time()
+        while not self.server.started:
+            assert time.time() - t < 60 and self.thread.is_alive(), "server did not start"
+            time.sleep(0.05)
+
+    def request(self, method, path, body=None, headers=None, raw: bytes | None = None):
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})}
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        c.request(method, path, body=data, headers=h)
+        r = c.getresponse()
+        text = r.read().decode()
+        c.close()
+        try:
+            return r.status, json.loads(text), dict(r.getheaders())
+        except json.JSONDecodeError:
+            return r.status, text, dict(r.getheaders())
+
+    def stream(self, path, body):
+        """SSE events (parsed JSON) until [DONE]."""
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        c.request("POST", path, body=json.dumps({**body, "stream": True}), headers={"Authorization": f"Bearer {KEY}"})
+        r = c.getresponse()
+        assert r.status == 200, r.read()
+        events = []
+        for line in r:
+            line = line.decode().strip()
+            if line == "data: [DONE]":
+                break
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+        c.close()
+        return events
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sched.shutdown()
+
+
+def start(model_dirs, **flags):
+    from jaxspec.cli import build_parser
+    from server.launch import build
+
+    argv = ["serve", "--model-path", model_dirs["target"], "--api-key", KEY, "--context-length", "256", "--log-level", "error"]
+    for k, v in flags.items():
+        argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    app, sched = build(build_parser().parse_args(argv), progress=False)
+    return Server(app, sched)
+
+
+@pytest.fixture(scope="module")
+def spec_server(model_dirs):
+    s = start(model_dirs, speculative_algorithm="STANDALONE", speculative_draft_model_path=model_dirs["draft"],
+              speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=4, max_running_requests=4,
+              max_queued_requests=6, cuda_graph_max_bs=2, max_request_bytes=4096)
+    yield s
+    s.stop()
+
+
+GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+def test_chat_completion_and_usage(spec_server):
+    st, r, _ = spec_server.request("POST", "/v1/chat/completions", {"model": "default", "messages": CHAT, **GREEDY})
+    assert st == 200, r
+    assert r["object"] == "chat.completion" and r["choices"][0]["message"]["role"] == "assistant"
+    assert r["choices"][0]["finish_reason"] == "length"
+    u = r["usage"]
+    assert u["completion_tokens"] == 12 and u["total_tokens"] == u["prompt_tokens"] + 12 and u["prompt_tokens"] > 5
+    m = r["spec_metrics"]
+    assert m["speculative"] and m["spec_verify_ct"] >= 1 and m["spec_accept_length"] == pytest.approx(12 / m["spec_verify_ct"])
+
+
+def test_streaming_matches_non_streaming(spec_server):
+    body = {"model": "target", "messages": CHAT, **GREEDY, "stream_options": {"include_usage": True}}
+    _, full, _ = spec_server.request("POST", "/v1/chat/completions", body)
+    ev = spec_server.stream("/v1/chat/completions", body)
+    assert ev[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in ev if e["choices"])
+    assert text == full["choices"][0]["message"]["content"]
+    assert ev[-2]["choices"][0]["finish_reason"] == "length" and "spec_metrics" in ev[-2]
+    assert ev[-1]["choices"] == [] and ev[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_completions_and_generate(spec_server):
+    st, c, _ = spec_server.request("POST", "/v1/completions", {"prompt": "Once upon a time", **GREEDY})
+    assert st == 200 and c["object"] == "text_completion"
+    ev = spec_server.stream("/v1/completions", {"prompt": "Once upon a time", **GREEDY})
+    assert "".join(e["choices"][0]["text"] for e in ev) == c["choices"][0]["text"]
+    sp = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    st, g, _ = spec_server.request("POST", "/generate", {"text": "Once upon a time", "sampling_params": sp})
+    assert st == 200 and g["text"] == c["choices"][0]["text"]
+    assert g["meta_info"]["spec_verify_ct"] >= 1 and g["meta_info"]["spec_accept_length"] > 0
+    ev = spec_server.stream("/generate", {"input_ids": [1, 2, 3], "sampling_params": sp})
+    assert ev[-1]["meta_info"]["completion_tokens"] == 12 and ev[-1]["output_ids"] == ev[-2]["output_ids"]
+
+
+def test_concurrent_greedy_identical_to_alone(spec_server):
+    prompts = [[5 + i] * (3 + 7 * i) for i in range(7)]  # 7 requests > 4 slots: queueing and slot reuse
+    alone = []
+    for p in prompts:
+        _, r, _ = spec_server.request("POST", "/generate", {"input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": 16 + len(p) % 5}})
+        alone.append(r["output_ids"])
+    together = [None] * len(prompts)
+
+    def go(i):
+        _, r, _ = spec_server.request("POST", "/generate", {"input_ids": prompts[i], "sampling_params": {"temperature": 0, "max_new_tokens": 16 + len(prompts[i]) % 5}})
+        together[i] = r["output_ids"]
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert together == alone
+    # a request may turn speculation off for itself and still get the same greedy tokens
+    _, r, _ = spec_server.request("POST", "/generate", {"input_ids": prompts[2], "speculative": False,
+                                                        "sampling_params": {"temperature": 0, "max_new_tokens": 16 + len(prompts[2]) % 5}})
+    assert r["output_ids"] == alone[2] and r["meta_info"]["speculative"] is False
+
+
+def test_seeded_sampling_is_reproducible_and_penalties_run(spec_server):
+    body = {"prompt": "Hello", "max_tokens": 10, "temperature": 1.0, "seed": 7}
+    a = spec_server.request("POST", "/v1/completions", body)[1]["choices"][0]["text"]
+    b = spec_server.request("POST", "/v1/completions", body)[1]["choices"][0]["text"]
+    assert a == b
+    st, r, _ = spec_server.request("POST", "/v1/completions", {**body, "frequency_penalty": 1.0, "presence_penalty": 0.5})
+    assert st == 200 and r["spec_metrics"]["speculative"] is False  # penalties decode without speculation
+
+
+def test_stop_strings(spec_server):
+    _, r, _ = spec_server.request("POST", "/v1/completions", {"prompt": "Once upon a time", **GREEDY, "max_tokens": 30})
+    text = r["choices"][0]["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), text
+    _, s, _ = spec_server.request("POST", "/v1/completions", {"prompt": "Once upon a time", **GREEDY, "max_tokens": 30, "stop": [stop]})
+    assert s["choices"][0]["finish_reason"] == "stop" and s["choices"][0]["matched_stop"] == stop
+    assert s["choices"][0]["text"] == text[: text.index(stop)]
+    ev = spec_server.stream("/v1/completions", {"prompt": "Once upon a time", **GREEDY, "max_tokens": 30, "stop": stop})
+    assert "".join(e["choices"][0]["text"] for e in ev) == text[: text.index(stop)]
+
+
+@pytest.mark.parametrize(
+    "path,body,status,match",
+    [
+        ("/v1/chat/completions", {"messages": CHAT, "temperature": -1}, 400, "temperature"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n=2"),
+        ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4"}, 404, "gpt-4"),
+        ("/v1/completions", {"prompt": "hi " * 300}, 400, "context length"),
+        ("/v1/completions", {"prompt": [1, 2, 10**7]}, 400, "token ids"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+        ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, 400, "bogus"),
+        ("/generate", {"sampling_params": {}}, 400, "exactly one"),
+    ],
+)
+def test_bad_input_is_an_openai_error(spec_server, path, body, status, match):
+    st, r, _ = spec_server.request("POST", path, body)
+    assert st == status and match in r["error"]["message"], r
+    assert "Traceback" not in json.dumps(r)
+
+
+def test_malformed_json_and_oversized_body(spec_server):
+    st, r, _ = spec_server.request("POST", "/v1/completions", raw=b"{not json")
+    assert st == 400 and "error" in r
+    st, r, _ = spec_server.request("POST", "/v1/completions", raw=json.dumps({"prompt": "x" * 5000}).encode())
+    assert st == 413 and "limit" in r["error"]["message"]
+
+
+def test_api_key(spec_server):
+    st, r, _ = spec_server.request("GET", "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert st == 401 and r["error"]["type"] == "AuthenticationError"
+    st, r, _ = spec_server.request("GET", "/health", headers={"Authorization": ""})
+    assert st == 200
+    st, r, _ = spec_server.request("GET", "/v1/models")
+    assert st == 200 and r["data"][0]["id"] == "target"
+
+
+def test_full_queue_is_503_and_disconnect_cancels(spec_server):
+    sched = spec_server.sched
+    aborted = sched.stats.aborted
+    long = {"input_ids": [3] * 8, "sampling_params": {"temperature": 0, "max_new_tokens": 240, "ignore_eos": True}, "stream": True}
+    conns, statuses = [], []
+    for _ in range(sched.slots + sched.max_queued + 3):  # more than slots + queue at once
+        c = http.client.HTTPConnection("127.0.0.1", spec_server.port, timeout=60)
+        c.request("POST", "/generate", body=json.dumps(long), headers={"Authorization": f"Bearer {KEY}"})
+        conns.append(c)
+    for c in conns:
+        r = c.getresponse()
+        statuses.append((r.status, r.getheader("Retry-After"), r.read().decode() if r.status != 200 else r.readline()))
+    busy = [x for x in statuses if x[0] == 503]
+    assert busy and all(x[1] == "1" and "max-queued-requests" in x[2] for x in busy), statuses
+    for c in conns:  # the streaming clients hang up mid-stream
+        c.sock.shutdown(socket.SHUT_RDWR)
+        c.close()
+    t = time.time()
+    while sched.running or sched.queue_depth:
+        assert time.time() - t < 60, (sched.running, sched.queue_depth)
+        time.sleep(0.05)
+    assert sched.stats.aborted > aborted  # cancelled, not run to the end
+    st, r, _ = spec_server.request("POST", "/generate", {**long, "stream": False, "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+    assert st == 200 and r["meta_info"]["completion_tokens"] == 4  # the slots are usable again
+
+
+def test_metrics_and_server_info(spec_server):
+    spec_server.request("POST", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    st, text, _ = spec_server.request("GET", "/metrics")
+    assert st == 200
+    vals = {ln.split("{")[0]: float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("jaxspec:")}
+    for k in ("num_requests_total", "generation_tokens_total", "gen_throughput", "spec_accept_length", "num_queue_reqs", "num_running_reqs"):
+        assert f"jaxspec:{k}" in vals
+    assert vals["jaxspec:num_requests_total"] >= 1 and vals["jaxspec:generation_tokens_total"] >= 8
+    assert vals["jaxspec:spec_accept_length"] >= 1
+    st, info, _ = spec_server.request("GET", "/get_server_info")
+    assert st == 200 and info["speculative_algorithm"] == "STANDALONE" and info["avg_spec_accept_length"] >= 1
+    assert info["internal_states"][0]["avg_spec_accept_length"] == info["avg_spec_accept_length"]
+    assert "api_key" not in info
+
+
+def test_plain_server_and_overlap_off(model_dirs):
+    """NONE + overlap off: same greedy tokens as the offline engine."""
+    from jaxspec.engine import Engine
+
+    s = start(model_dirs, speculative_algorithm="NONE", disable_overlap_schedule=True, disable_cuda_graph=True, max_running_requests=2)
+    try:
+        ref = Engine(model_dirs["target"], show_progress=False, speculative_algorithm="NONE").generate(
+            input_ids=[[4, 5, 6]], sampling_params={"temperature": 0, "max_new_tokens": 10})[0]["output_ids"]
+        _, r, _ = s.request("POST", "/generate", {"input_ids": [4, 5, 6], "sampling_params": {"temperature": 0, "max_new_tokens": 10}})
+        assert r["output_ids"] == ref and r["meta_info"]["spec_verify_ct"] == 10
+    finally:
+        s.stop()
+
+
+def test_out_of_memory_is_a_clear_startup_error(model_dirs):
+    from jaxspec.errors import JaxspecError
+
+    with pytest.raises(JaxspecError, match="out of memory.*--context-length.*--max-running-requests"):
+        start(model_dirs, mem_fraction_static=1e-9)
+
+
+def test_sigterm_finishes_inflight_stream(model_dirs):
+    port = free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    p = subprocess.Popen([sys.executable, "-m", "jaxspec.cli", "serve", "--model-path", model_dirs["target"], "--port", str(port),
+                          "--context-length", "512", "--speculative-algorithm", "NONE", "--disable-cuda-graph"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        t = time.time()
+        while True:
+            assert p.poll() is None, p.stdout.read()
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                c.request("GET", "/health")
+                if c.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.time() - t < 120
+            time.sleep(0.3)
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        c.request("POST", "/generate", body=json.dumps({"input_ids": [3, 4], "stream": True,
+                                                        "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}}))
+        r = c.getresponse()
+        first = r.readline()
+        while not first.strip():
+            first = r.readline()
+        p.send_signal(signal.SIGTERM)
+        lines = [first.decode()] + [ln.decode() for ln in r]
+        data = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+        assert lines[-2].strip() == "data: [DONE]" or lines[-1].strip() == "data: [DONE]"
+        assert data[-1]["meta_info"]["finish_reason"]["type"] == "length" and len(data[-1]["output_ids"]) == 300
+        assert p.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after its graceful shutdown
+        log = p.stdout.read()
+        assert "Traceback" not in log and "shutting down" in log.lower(), log
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+@pytest.mark.slow
+def test_default_model_server_matches_offline_greedy(default_engine):
+    """`make serve`'s configuration (SmolLM2 + its shipped EAGLE-3 head): chat over HTTP gives the
+    plain engine's greedy tokens."""
+    from jaxspec.cli import build_parser
+    from server.launch import build
+
+    app, sched = build(build_parser().parse_args(["serve", "--context-length", "1024", "--cuda-graph-max-bs", "2", "--log-level", "error"]),
+                       progress=False)
+    assert sched.spec is not None and sched.spec.algorithm == "EAGLE3"
+    s = Server(app, sched)
+    try:
+        msgs = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", "Write a haiku about the sea.")]
+        ref = default_engine.chat(msgs, {"temperature": 0, "max_new_tokens": 48})
+        out = [None, None]
+
+        def go(i):
+            out[i] = s.request("POST", "/v1/chat/completions", {"messages": msgs[i], "temperature": 0, "max_tokens": 48})[1]
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        for r, o in zip(ref, out):
+            assert o["choices"][0]["message"]["content"] == r["text"]
+            assert o["usage"]["completion_tokens"] == r["meta_info"]["completion_tokens"]
+            assert o["spec_metrics"]["spec_accept_length"] > 1.2
+    finally:
+        s.stop()

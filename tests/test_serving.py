@@ -1,0 +1,135 @@
+"""Continuous batching (jaxspec/serving.py + server/scheduler.py) without HTTP.
+
+More requests than slots, joining and leaving between dispatches: every temperature-0 output is
+token-identical to the offline engine (which tests/test_spec.py ties to plain greedy decoding),
+for plain decoding and every algorithm, with some requests opting out of speculation. Seeded
+sampling reproduces the offline engine's tokens exactly (same keys), so the offline
+distribution tests carry over. Cancellation frees the slot and stops it on the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import make_hf_model, save_eagle_head
+from jaxspec.engine import Engine
+from jaxspec.sampling import SamplingParams
+from server.scheduler import Request, Scheduler
+
+V = 16
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 1, 2, 3, 4], [4], [2, 3, 4, 5, 6, 7], [3] * 20]
+GREEDY = dict(temperature=0, max_new_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serving")
+    tgt = make_hf_model("llama", 3, vocab_size=V, num_hidden_layers=4, initializer_range=0.3)
+    tgt.save_pretrained(d / "target")
+    make_hf_model("llama", 5, vocab_size=V, num_hidden_layers=1, initializer_range=0.3).save_pretrained(d / "small")
+    cfg = tgt.config.to_dict()
+    return {
+        "target": str(d / "target"),
+        "small": str(d / "small"),
+        "eagle3": save_eagle_head(d / "eagle3", "EAGLE3", cfg, seed=2, draft_vocab=12, scale=10.0, aux_layer_ids=[0, 1, 2]),
+    }
+
+
+def engine(models, algo=None, draft=None, **kw):
+    spec = {}
+    if algo:
+        spec = dict(speculative_algorithm=algo, speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+        if draft:
+            spec["speculative_draft_model_path"] = models[draft]
+    return Engine(models["target"], skip_tokenizer_init=True, show_progress=False, chunked_prefill_size=4, **spec, **kw)
+
+
+def serve(eng, prompts, params, speculative=None, slots=2, **kw):
+    sched = Scheduler(eng, max_running_requests=slots, **kw)
+    res = {}
+    for i, p in enumerate(prompts):
+        r = Request(ids=p, params=SamplingParams.from_dict(params[i] if isinstance(params, list) else params),
+                    speculative=True if speculative is None else speculative[i],
+                    emit=lambda e, i=i: res.__setitem__(i, e["result"]) if e["type"] == "done" else None)
+        sched.submit(r)
+    sched.run_until_idle()
+    return [res[i] for i in range(len(prompts))], sched
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    return [r["output_ids"] for r in engine(models).generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+
+
+@pytest.mark.parametrize("algo,draft", [(None, None), ("EAGLE3", "eagle3"), ("STANDALONE", "small"), ("NGRAM", None)])
+def test_batched_greedy_identical_to_offline(models, reference, algo, draft):
+    eng = engine(models, algo, draft)
+    opt_out = [i % 2 == 1 for i in range(len(PROMPTS))]
+    out, sched = serve(eng, PROMPTS, GREEDY, speculative=[not x for x in opt_out])
+    for i, r in enumerate(out):
+        assert r["output_ids"] == reference[i], i
+        assert r["meta_info"]["finish_reason"] == {"type": "length", "length": 24}
+        if algo and not opt_out[i]:
+            assert r["meta_info"]["speculative"] and r["meta_info"]["spec_verify_ct"] <= 24
+            hist = r["meta_info"]["spec_accept_histogram"]
+            assert sum(hist) == r["meta_info"]["spec_verify_ct"]
+        else:
+            assert r["meta_info"]["spec_verify_ct"] == 24
+    assert sched.running == 0 and sched.queue_depth == 0
+
+
+@pytest.mark.parametrize("algo,draft", [(None, None), ("EAGLE3", "eagle3")])
+def test_seeded_sampling_matches_offline(models, algo, draft):
+    eng = engine(models, algo, draft)
+    params = [dict(temperature=1.0, top_k=8, max_new_tokens=16, ignore_eos=True, seed=s) for s in range(len(PROMPTS))]
+    ref = [r["output_ids"] for r in eng.generate(input_ids=PROMPTS, sampling_params=params)]
+    out, _ = serve(eng, PROMPTS, params, slots=3)
+    assert [r["output_ids"] for r in out] == ref
+
+
+def test_stops_and_max_new(models, reference):
+    eng = engine(models, "EAGLE3", "eagle3")
+    stop_tok = reference[1][5]
+    params = [dict(GREEDY, max_new_tokens=1), dict(GREEDY, stop_token_ids=[stop_tok]), dict(GREEDY, max_new_tokens=0)]
+    out, _ = serve(eng, PROMPTS[:3], params)
+    assert out[0]["output_ids"] == reference[0][:1] and out[0]["meta_info"]["finish_reason"]["type"] == "length"
+    cut = reference[1].index(stop_tok) + 1
+    assert out[1]["output_ids"] == reference[1][:cut] and out[1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    assert out[2]["output_ids"] == []
+
+
+def test_cancel_frees_slot_and_stops_device_work(models, reference):
+    eng = engine(models, "EAGLE3", "eagle3")
+    sched = Scheduler(eng, max_running_requests=2)
+    events = []
+    reqs = [Request(ids=p, params=SamplingParams.from_dict(dict(GREEDY, max_new_tokens=150)), emit=events.append) for p in PROMPTS[:2]]
+    for r in reqs:
+        sched.submit(r)
+    sched.step()
+    sched.step()
+    gone, stays = reqs
+    sched.cancel(gone)
+    assert sched.running == 1 and gone.slot in sched.to_kill
+    sched.step()  # this dispatch carries the kill
+    sched.step()
+    done = np.asarray(sched.batch.core.done)
+    assert done[gone.slot] and not done[stays.slot]
+    n_gone = len(gone.out_ids)
+    sched.run_until_idle()
+    assert len(gone.out_ids) == n_gone  # nothing more was delivered to the cancelled request
+    assert stays.finished and not gone.finished
+    assert [e["result"]["output_ids"] for e in events if e["type"] == "done"] == [stays.out_ids]
+    other = {}
+    r = Request(ids=PROMPTS[1], params=SamplingParams.from_dict(GREEDY), emit=lambda e: other.update(e) if e["type"] == "done" else None)
+    sched.submit(r)  # takes the freed slot
+    sched.run_until_idle()
+    assert r.slot == gone.slot and other["result"]["output_ids"] == reference[1]
+
+
+def test_long_prompt_spans_several_chunks(models):
+    eng = engine(models, "EAGLE3", "eagle3", context_length=200)
+    prompt = [int(x) for x in np.random.default_rng(0).integers(0, V, 150)]
+    ref = eng.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+    out, _ = serve(eng, [prompt, PROMPTS[2]], GREEDY)
+    assert out[0]["output_ids"] == ref
