@@ -33,6 +33,7 @@ class KVCache:
     lengths: jax.Array  # [B] int32 ([n] in a slot view)
     rows: jax.Array | None = None  # [n] int32 slots of a view; None = all slots
     span: int | None = dataclasses.field(default=None, metadata=dict(static=True))  # columns attention reads
+    prefix: bool = dataclasses.field(default=False, metadata=dict(static=True))  # rows == arange(n): read by slicing
 
     @classmethod
     def create(cls, cfg: ModelConfig, batch: int, max_len: int, dtype) -> "KVCache":
@@ -72,19 +73,23 @@ class KVCache:
     def read(self, layer: int):
         """The (k, v) attention sees for `layer`: [B, S, Hkv, D], or [n, span, Hkv, D] in a view."""
         k, v = self.k[layer], self.v[layer]
-        if self.rows is not None:
+        if self.prefix:
+            n = self.lengths.shape[0]
+            k, v = k[:n], v[:n]
+        elif self.rows is not None:
             k, v = k[self.rows], v[self.rows]
         if self.span is not None:
             k, v = k[:, : self.span], v[:, : self.span]
         return k, v
 
-    def view(self, rows: jax.Array, span: int | None = None) -> "KVCache":
-        """The slots `rows` [n] of this (full) cache; attention reads columns [0, span)."""
-        return dataclasses.replace(self, lengths=self.lengths[rows], rows=rows, span=span)
+    def view(self, rows: jax.Array, span: int | None = None, prefix: bool = False) -> "KVCache":
+        """The slots `rows` [n] of this (full) cache; attention reads columns [0, span).
+        prefix=True promises rows == arange(n) (reads become slices instead of gathers)."""
+        return dataclasses.replace(self, lengths=self.lengths[rows], rows=rows, span=span, prefix=prefix)
 
     def unview(self, view: "KVCache") -> "KVCache":
         """This cache with the buffers written through `view` and its slots' lengths."""
-        return dataclasses.replace(view, lengths=self.lengths.at[view.rows].set(view.lengths), rows=None, span=None)
+        return dataclasses.replace(view, lengths=self.lengths.at[view.rows].set(view.lengths), rows=None, span=None, prefix=False)
 
     def reset_slots(self, mask: jax.Array) -> "KVCache":
         """Sets lengths of slots where mask [B] is true to 0 (their KV becomes invisible)."""

@@ -36,8 +36,11 @@ def _is_cache(x) -> bool:
     return isinstance(x, KVCache)
 
 
-def take_rows(tree, rows, span=None):
-    """The slots `rows` [n] of a per-slot pytree: arrays -> x[rows], KV caches -> slot views."""
+def take_rows(tree, rows, span=None, prefix: int | None = None):
+    """The slots `rows` [n] of a per-slot pytree: arrays -> x[rows], KV caches -> slot views.
+    prefix=n promises rows == arange(n): arrays are sliced, caches read by slicing."""
+    if prefix is not None:
+        return jax.tree_util.tree_map(lambda x: x.view(rows, span, prefix=True) if _is_cache(x) else x[:prefix], tree, is_leaf=_is_cache)
     return jax.tree_util.tree_map(lambda x: x.view(rows, span) if _is_cache(x) else x[rows], tree, is_leaf=_is_cache)
 
 
@@ -142,7 +145,7 @@ def dispatch(graphdef, params, prop, dparams, spec, batch: SlotBatch, kill, k: i
     verify_ct [n_act], hist [n_act, D + 2]); plain mode reports verify_ct = num_out and no hist."""
     tgt = nnx.merge(graphdef, params)
     rows = jnp.arange(n_act)
-    sub = take_rows(batch, rows, span)
+    sub = take_rows(batch, rows, span, prefix=n_act)
     core = sub.core
     core = dataclasses.replace(core, done=core.done | kill[:n_act], out=jnp.zeros_like(core.out), base=core.num_out)
     if prop is None:

@@ -25,7 +25,7 @@ def add_serve_args(p) -> None:
                    help="rounds per compiled dispatch between admissions/streaming (auto: 8 on GPU, 2 on CPU)")
     g.add_argument("--disable-overlap-schedule", action="store_true", help="fetch each dispatch's results before enqueuing the next")
     g.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                   help="precompile dispatch + admission for batch sizes 1, 2, 4, .. up to this at start-up (default: min(8, slots))")
+                   help="precompile dispatch + admission for batch sizes 1, 2, 4, .. up to this at start-up (default: 8 on GPU, 2 on CPU; at most the slots)")
     g.add_argument("--disable-cuda-graph", action="store_true", help="compile nothing at start-up (programs compile on first use)")
     g.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger request bodies get 413")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -56,7 +56,10 @@ def build(args, progress: bool = True):
                       args.num_continuous_decode_steps, overlap=not args.disable_overlap_schedule)
     if not args.disable_cuda_graph:
         t = time.perf_counter()
-        n = warmup(sched, args.cuda_graph_max_bs or min(8, sched.slots), progress=progress)
+        import jax
+
+        default_bs = 2 if jax.devices()[0].platform == "cpu" else 8
+        n = warmup(sched, args.cuda_graph_max_bs or default_bs, progress=progress)
         logger.warning("compiled %d start-up programs in %.1f s", n, time.perf_counter() - t)
     name = args.served_model_name or default_served_name(args.model_path)
     server_args = {k: v for k, v in vars(args).items() if k not in ("func", "command", "api_key")}

@@ -35,9 +35,6 @@ from jaxspec.serving import SlotBatch, admit_chunk, admit_finish, dispatch
 logger = logging.getLogger("jaxspec.server")
 
 
-MIN_SPAN = 512
-
-
 class QueueFull(Exception):
     """The wait queue is at --max-queued-requests."""
 
@@ -61,7 +58,8 @@ class Request:
     cancelled: bool = False
     t_arrival: float = dataclasses.field(default_factory=time.perf_counter)
     t_first: float | None = None
-    upper: int = 0  # bound on the slot's KV length after the dispatches already enqueued
+    known: int = 0  # tokens (prompt + output) whose results the host has processed
+    inflight: int = 0  # dispatches enqueued for this request whose results are not processed yet
     _stops: list = dataclasses.field(default_factory=list)  # stop token ids (EOS, stop_token_ids, 1-token stop strings)
 
 
@@ -106,12 +104,15 @@ def _nbytes(tree) -> int:
 
 class Scheduler:
     def __init__(self, eng: Engine, max_running_requests: int | None = None, mem_fraction_static: float = 0.8,
-                 max_queued_requests: int = 256, decode_steps: int | None = None, overlap: bool = True):
+                 max_queued_requests: int = 256, decode_steps: int | None = None, overlap: bool = True, min_span: int | None = None):
         self.eng = eng
         self.spec = eng.spec if eng.spec.enabled else None
         self.prop = eng.proposer if self.spec else None
         gpu = jax.devices()[0].platform != "cpu"
         self.k = int(decode_steps or (8 if gpu else 2))
+        # smallest KV span a program reads: long spans cost little on a GPU (fewer programs), but
+        # attention over unused columns is a visible share of a CPU decode step (27 vs 32 tok/s)
+        self.min_span = int(min_span or (512 if gpu else 64))
         if self.k < 1:
             raise JaxspecError("--num-continuous-decode-steps must be >= 1")
         steps = self.spec.num_steps if self.spec else 0
@@ -337,20 +338,21 @@ class Scheduler:
         )
         self.batch = batch
         for r in reqs:
-            r.upper = len(r.ids) + 1
+            r.known, r.inflight = len(r.ids) + 1, 0
         self._pending.append(("admit", reqs, first))
 
     def _span(self, need: int) -> int:
-        """KV columns a program reads: a power of two >= need, at least MIN_SPAN (fewer programs to
-        compile; attention over a few hundred columns costs little next to the weights)."""
-        return min(bucket(need, MIN_SPAN), self.max_len)
+        """KV columns a program reads: a power of two >= need and >= min_span."""
+        return min(bucket(need, self.min_span), self.max_len)
 
     def _dispatch(self, busy: dict[int, Request]) -> None:
         n_act = min(bucket(max(busy) + 1), self.slots)
         if n_act > self.slots:
             n_act = self.slots
-        grow = self.window
-        need = max(r.upper for r in busy.values()) + grow + self.scratch
+        for r in busy.values():
+            r.inflight += 1
+        # attention must see every column a slot can reach by the end of this dispatch
+        need = max(r.known + r.inflight * self.window for r in busy.values()) + self.scratch
         with self.lock:
             kill = np.zeros((self.slots,), bool)
             for s in self.to_kill:
@@ -360,8 +362,6 @@ class Scheduler:
         eng = self.eng
         self.batch, outs = dispatch(eng.graphdef, eng.params, self.prop, eng.dparams, self.spec, self.batch, jnp.asarray(kill),
                                     k=self.k, n_act=n_act, span=self._span(need), backend=eng.backend)
-        for r in busy.values():
-            r.upper = min(r.upper + grow, self.context_length)
         self._pending.append(("dispatch", busy, outs))
 
     # ---- results -----------------------------------------------------------------------------
@@ -379,13 +379,14 @@ class Scheduler:
         for s, r in who.items():
             code = int(finish[s]) if done[s] else None
             toks = [int(t) for t in out[s, : count[s]]]
+            r.inflight -= 1
             self._advance(r, toks, done_code=code, verify_ct=int(vct[s]), hist=hist[s] if self.spec else None)
 
     def _advance(self, r: Request, toks, done_code, verify_ct, hist, first=False) -> None:
         if r.finished or r.cancelled:
             return
         r.out_ids += toks
-        r.upper = len(r.ids) + len(r.out_ids)
+        r.known = len(r.ids) + len(r.out_ids)
         if self.spec:
             r.verify_ct = verify_ct if not first else 0
             r.hist = None if hist is None else [int(x) for x in hist[1:]]
@@ -491,29 +492,34 @@ class Scheduler:
 
 
 def warmup(sched: Scheduler, max_bs: int, progress: bool = True) -> int:
-    """Compiles the dispatch for busy-slot counts 1, 2, 4, .. <= max_bs (short contexts) and the
-    admission of 1..max_bs short prompts, so the first requests do not wait for XLA. Returns the
-    number of programs compiled."""
+    """Compiles, for busy-slot counts n = 1, 2, 4, .. <= max_bs, the admission of n short prompts
+    and the dispatch at every KV span from min_span up to 512, so that short requests do not wait
+    for XLA. Returns the number of programs compiled."""
     from tqdm.auto import tqdm
 
     sizes = [1 << i for i in range(int(math.log2(max(1, min(max_bs, sched.slots)))) + 1)]
-    bar = tqdm(total=2 * len(sizes), desc="compiling (batch sizes " + ",".join(map(str, sizes)) + ")", disable=not progress)
-    done = 0
+    spans = sorted({sched._span(x) for x in (sched.min_span, 128, 256, 512)})
+    bar = tqdm(total=len(sizes) * (2 + len(spans)), unit="program", disable=not progress,
+               desc=f"compiling (batch sizes {','.join(map(str, sizes))}; KV spans {','.join(map(str, spans))})")
+    eng = sched.eng
+    compiled = 0
     for n in sizes:
-        reqs = []
-        for i in range(n):
-            r = Request(ids=[1] * 8, params=SamplingParams(max_new_tokens=sched.window + 2, temperature=0.0, ignore_eos=True), emit=lambda e: None)
+        reqs = [Request(ids=[1] * 8, params=SamplingParams(max_new_tokens=2, temperature=0.0), emit=lambda e: None) for _ in range(n)]
+        for r in reqs:
             sched.submit(r)
-            reqs.append(r)
-        sched._admit()
-        bar.update(1)
-        sched.step()
-        bar.update(1)
+        sched._admit()  # admit_chunk + admit_finish
+        bar.update(2)
+        compiled += 2
+        for span in spans:  # every slot killed: the loop exits at once, but the program compiles
+            sched.batch, outs = dispatch(eng.graphdef, eng.params, sched.prop, eng.dparams, sched.spec, sched.batch,
+                                         jnp.ones((sched.slots,), bool), k=sched.k, n_act=n, span=span, backend=eng.backend)
+            jax.block_until_ready(outs)
+            bar.update(1)
+            compiled += 1
         for r in reqs:
             sched.cancel(r)
         sched.run_until_idle()
-        done += 2
     bar.close()
     with sched.lock:  # warm-up requests do not count
         sched.stats = Stats()
-    return done
+    return compiled

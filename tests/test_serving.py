@@ -133,3 +133,15 @@ def test_long_prompt_spans_several_chunks(models):
     ref = eng.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
     out, _ = serve(eng, [prompt, PROMPTS[2]], GREEDY)
     assert out[0]["output_ids"] == ref
+
+
+@pytest.mark.parametrize("algo,draft", [(None, None), ("EAGLE3", "eagle3")])
+def test_kv_span_grows_with_dispatches_in_flight(models, algo, draft):
+    """Long outputs cross several KV-span buckets (64 -> 128 -> 256) while two dispatches are in
+    flight (overlap, 6 rounds each): the span must cover both, or attention misses columns."""
+    eng = engine(models, algo, draft)
+    prompts = [list(range(1, 15)) * 3, [7, 8]]
+    sp = dict(GREEDY, max_new_tokens=180)
+    ref = [r["output_ids"] for r in eng.generate(input_ids=prompts, sampling_params=sp)]
+    out, sched = serve(eng, prompts, sp, decode_steps=6, overlap=True, min_span=64)
+    assert [r["output_ids"] for r in out] == ref
