@@ -6,7 +6,7 @@
 For each mode it starts a server on 127.0.0.1 (a free port; loopback only), sends MT-bench first
 turns as streaming chat completions from `c` client threads for each concurrency `c`, and reports
 output throughput (completion tokens / wall time), request latency and time-to-first-token
-percentiles, and the mean accept length. Each level is bounded by --requests and --time-limit;
+percentiles, the gaps between streamed chunks (how smooth streaming is), and the mean accept length. Each level is bounded by --requests and --time-limit;
 each level first runs once untimed (--warmup) so that every program shape it needs is compiled.
 """
 
@@ -74,21 +74,27 @@ def one_request(port, question, args):
     r = c.getresponse()
     if r.status != 200:
         raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]}")
-    ttft = None
+    ttft = last = None
+    gaps = []  # seconds between consecutive content chunks: how smooth the stream is
     tokens = verify = 0
     for line in r:
         line = line.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         ev = json.loads(line[6:])
-        if ttft is None and ev.get("choices") and ev["choices"][0].get("delta", {}).get("content"):
-            ttft = time.perf_counter() - t0
+        if ev.get("choices") and ev["choices"][0].get("delta", {}).get("content"):
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - t0
+            else:
+                gaps.append(now - last)
+            last = now
         if ev.get("usage"):
             tokens = ev["usage"]["completion_tokens"]
         if "spec_metrics" in ev:
             verify = ev["spec_metrics"]["spec_verify_ct"]
     c.close()
-    return time.perf_counter() - t0, ttft, tokens, verify
+    return time.perf_counter() - t0, ttft, tokens, verify, gaps
 
 
 def run_level(port, questions, conc, args):
@@ -117,10 +123,11 @@ def run_level(port, questions, conc, args):
     ttft = np.array([r[1] for r in rows if r[1] is not None])
     tokens = sum(r[2] for r in rows)
     verify = sum(r[3] for r in rows)
+    gaps = np.array([g for r in rows for g in r[4]])
     pct = lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan")  # noqa: E731
     return dict(concurrency=conc, requests=len(rows), wall_s=wall, tokens=tokens, tok_per_s=tokens / wall,
                 accept=tokens / verify if verify else float("nan"), lat_p50=pct(lat, 50), lat_p90=pct(lat, 90), lat_p99=pct(lat, 99),
-                ttft_p50=pct(ttft, 50), ttft_p99=pct(ttft, 99))
+                ttft_p50=pct(ttft, 50), ttft_p99=pct(ttft, 99), gap_p50=pct(gaps, 50), gap_p99=pct(gaps, 99))
 
 
 def main():
@@ -141,8 +148,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     questions = mtbench_first_turns(max(args.requests, 2) + 1)[1:]
     print(f"# {machine()}\n# max_tokens {args.max_tokens}, temperature {args.temperature}, {args.requests} requests per level")
-    print("| mode | concurrency | requests | out tok/s | accept | latency p50 / p90 / p99 (s) | TTFT p50 / p99 (s) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| mode | concurrency | requests | out tok/s | accept | latency p50 / p90 / p99 (s) | TTFT p50 / p99 (s) | stream gap p50 / p99 (ms) |")
+    print("|---|---|---|---|---|---|---|---|")
     results = []
     for mode in args.modes:
         port = free_port()
@@ -154,7 +161,8 @@ def main():
                 r = dict(mode=mode, startup_s=startup, **run_level(port, questions, conc, args))
                 results.append(r)
                 print(f"| {mode} | {conc} | {r['requests']} | {r['tok_per_s']:.1f} | {r['accept']:.2f} | "
-                      f"{r['lat_p50']:.2f} / {r['lat_p90']:.2f} / {r['lat_p99']:.2f} | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} |", flush=True)
+                      f"{r['lat_p50']:.2f} / {r['lat_p90']:.2f} / {r['lat_p99']:.2f} | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | "
+                      f"{1e3 * r['gap_p50']:.0f} / {1e3 * r['gap_p99']:.0f} |", flush=True)
         finally:
             p.terminate()
             p.wait(120)

@@ -374,13 +374,17 @@ class Scheduler:
             for r, t in zip(who, first):
                 r.t_first = now
                 self._advance(r, [int(t)], done_code=None, verify_ct=0, hist=None, first=True)
-            return
-        out, count, done, finish, vct, hist = jax.device_get(arr)
-        for s, r in who.items():
-            code = int(finish[s]) if done[s] else None
-            toks = [int(t) for t in out[s, : count[s]]]
-            r.inflight -= 1
-            self._advance(r, toks, done_code=code, verify_ct=int(vct[s]), hist=hist[s] if self.spec else None)
+            new = len(who)
+        else:
+            out, count, done, finish, vct, hist = jax.device_get(arr)
+            for s, r in who.items():
+                code = int(finish[s]) if done[s] else None
+                toks = [int(t) for t in out[s, : count[s]]]
+                r.inflight -= 1
+                self._advance(r, toks, done_code=code, verify_ct=int(vct[s]), hist=hist[s] if self.spec else None)
+            new = int(sum(count[s] for s in who))
+        with self.lock:
+            self.stats.recent.append((time.perf_counter(), new))
 
     def _advance(self, r: Request, toks, done_code, verify_ct, hist, first=False) -> None:
         if r.finished or r.cancelled:
@@ -400,7 +404,6 @@ class Scheduler:
                 done_code = LENGTH
         with self.lock:
             self.stats.generation_tokens += len(toks)
-            self.stats.recent.append((time.perf_counter(), len(toks)))
         reason = None
         if done_code == STOPPED:
             reason = {"type": "stop", "matched": r.out_ids[-1]}
