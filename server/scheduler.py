@@ -51,6 +51,8 @@ class Request:
     out_ids: list = dataclasses.field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of text already streamed
+    prefix_off: int = 0  # incremental detokenizing: left context starts here (see Scheduler._detok)
+    read_off: int = 0  # tokens already turned into r.text
     slot: int | None = None
     verify_ct: int = 0
     hist: list | None = None
@@ -58,6 +60,7 @@ class Request:
     cancelled: bool = False
     t_arrival: float = dataclasses.field(default_factory=time.perf_counter)
     t_first: float | None = None
+    decoding: bool = False  # prefilled: its slot takes part in dispatches
     known: int = 0  # tokens (prompt + output) whose results the host has processed
     inflight: int = 0  # dispatches enqueued for this request whose results are not processed yet
     _stops: list = dataclasses.field(default_factory=list)  # stop token ids (EOS, stop_token_ids, 1-token stop strings)
@@ -125,8 +128,8 @@ class Scheduler:
         self.max_queued = max_queued_requests
         self.slots = self._plan_memory(max_running_requests, mem_fraction_static, gpu)
         self.batch = SlotBatch.create(eng.cfg, self.prop, self.slots, self.max_len, self.window, self.num_stop, eng.dtype, steps)
-        self.busy: dict[int, Request] = {}
-        self.to_kill: set[int] = set()
+        self.busy: dict[int, Request] = {}  # slot -> request (prefilling or decoding)
+        self._prefilling: collections.deque = collections.deque()  # admission groups with prompt chunks left
         self.waiting: collections.deque[Request] = collections.deque()
         self.stats = Stats()
         self.lock = threading.Lock()  # waiting, busy, stats, cancellations
@@ -213,9 +216,9 @@ class Scheduler:
             self.stats.aborted += 1
             if req in self.waiting:
                 self.waiting.remove(req)
-            elif req.slot is not None and self.busy.get(req.slot) is req:
-                del self.busy[req.slot]
-                self.to_kill.add(req.slot)
+            elif req.decoding and self.busy.get(req.slot) is req:
+                del self.busy[req.slot]  # the next dispatch stops the slot (it is not decoding any more)
+            # a request still being prefilled keeps its slot until its group's prefill ends
             logger.info("request %s cancelled", req.rid)
 
     def start(self) -> None:
@@ -251,7 +254,7 @@ class Scheduler:
         try:
             while True:
                 with self.lock:
-                    while not self._stop and not self.waiting and not self.busy and not self._pending:
+                    while not self._stop and not self.waiting and not self.busy and not self._pending and not self._prefilling:
                         self.wake.wait(0.5)
                     if self._stop:
                         return
@@ -268,10 +271,13 @@ class Scheduler:
                 self.busy.clear()
 
     def step(self) -> None:
-        """One scheduling iteration: admit, dispatch, process finished work."""
+        """One scheduling iteration: admit, one prefill chunk, dispatch, process finished work."""
         self._admit()
         with self.lock:
-            busy = dict(self.busy)
+            decoding = any(r.decoding for r in self.busy.values())
+        self._prefill(interleave=decoding)
+        with self.lock:
+            busy = {s: r for s, r in self.busy.items() if r.decoding}
         if busy:
             self._dispatch(busy)
         keep = 1 if self.overlap and busy else 0  # leave the newest dispatch running while the host works
@@ -282,12 +288,14 @@ class Scheduler:
         """Drives the loop in the calling thread until every request finished (tests, offline use)."""
         while True:
             with self.lock:
-                idle = not self.waiting and not self.busy and not self._pending
+                idle = not self.waiting and not self.busy and not self._pending and not self._prefilling
             if idle:
                 return
             self.step()
 
     def _admit(self) -> None:
+        """Waiting requests take the lowest free slots, in power-of-two groups (each group size
+        compiles once); their prompts are prefilled chunk by chunk by `_prefill`."""
         with self.lock:
             free = [s for s in range(self.slots) if s not in self.busy]
             take = min(len(free), len(self.waiting))
@@ -297,32 +305,48 @@ class Scheduler:
             for s, r in zip(free, reqs):
                 r.slot = s
                 self.busy[s] = r
-                self.to_kill.discard(s)
-        while reqs:  # power-of-two groups: each group size compiles once
+        while reqs:
             n = 1 << (len(reqs).bit_length() - 1)
-            self._admit_group(reqs[:n])
+            self._prefilling.append(self._new_group(reqs[:n]))
             reqs = reqs[n:]
 
-    def _admit_group(self, reqs: list[Request]) -> None:
-        eng, n = self.eng, len(reqs)
-        rows = jnp.asarray([r.slot for r in reqs], jnp.int32)
-        lens = [len(r.ids) for r in reqs]
-        longest = max(lens)
-        chunk = min(bucket(eng.chunked_prefill_size), bucket(longest, 64))
-        n_chunks = -(-longest // chunk)
-        prompt = np.zeros((n, n_chunks * chunk), np.int32)
+    def _new_group(self, reqs: list[Request]) -> dict:
+        chunk = min(bucket(self.eng.chunked_prefill_size), bucket(max(len(r.ids) for r in reqs), 64))
+        n_chunks = -(-max(len(r.ids) for r in reqs) // chunk)
+        prompt = np.zeros((len(reqs), n_chunks * chunk), np.int32)
         for i, r in enumerate(reqs):
             prompt[i, : len(r.ids)] = r.ids
         shift = self.prop.shift if self.prop is not None else 0
         dprompt = np.zeros_like(prompt)
         dprompt[:, : prompt.shape[1] - shift] = prompt[:, shift:]
-        lens_d = jnp.asarray(lens, jnp.int32)
-        batch = self.batch
-        for c in range(n_chunks):
+        return dict(reqs=reqs, chunk=chunk, n_chunks=n_chunks, next=0, prompt=prompt, dprompt=dprompt)
+
+    def _prefill(self, interleave: bool) -> None:
+        """Runs prefill chunks: one chunk when requests are decoding (SGLang's chunked prefill: a
+        long prompt does not stall the others' streams), else until a group has its first token."""
+        while self._prefilling:
+            g = self._prefilling[0]
+            if all(r.cancelled for r in g["reqs"]):  # nobody is waiting for this group any more
+                self._prefilling.popleft()
+                self._release(g["reqs"])
+                continue
+            eng, c, chunk = self.eng, g["next"], g["chunk"]
+            rows = jnp.asarray([r.slot for r in g["reqs"]], jnp.int32)
             sl = slice(c * chunk, (c + 1) * chunk)
-            batch = admit_chunk(eng.graphdef, eng.params, self.prop, eng.dparams, batch, rows, jnp.asarray(prompt[:, sl]),
-                                jnp.asarray(dprompt[:, sl]), jnp.int32(c * chunk), lens_d, span=self._span(c * chunk + chunk),
-                                backend=eng.backend)
+            self.batch = admit_chunk(eng.graphdef, eng.params, self.prop, eng.dparams, self.batch, rows, jnp.asarray(g["prompt"][:, sl]),
+                                     jnp.asarray(g["dprompt"][:, sl]), jnp.int32(c * chunk), jnp.asarray([len(r.ids) for r in g["reqs"]], jnp.int32),
+                                     span=self._span(c * chunk + chunk), backend=eng.backend)
+            g["next"] += 1
+            if g["next"] == g["n_chunks"]:
+                self._prefilling.popleft()
+                self._finish_admission(g["reqs"])
+                return
+            if interleave:
+                return
+
+    def _finish_admission(self, reqs: list[Request]) -> None:
+        eng, n = self.eng, len(reqs)
+        rows = jnp.asarray([r.slot for r in reqs], jnp.int32)
         params = [r.params for r in reqs]
         seeds = [p.seed if p.seed is not None else int(self._rng.integers(2**31)) for p in params]
         st = SamplingTensors.build(params, seeds)
@@ -331,15 +355,24 @@ class Scheduler:
         for i, r in enumerate(reqs):
             stops[i, : len(r._stops)] = r._stops
             seen[i, r.ids] = True
-        batch, first = admit_finish(
-            eng.graphdef, eng.params, self.prop, eng.dparams, batch, rows, st, jnp.asarray([r.max_new for r in reqs], jnp.int32),
-            jnp.asarray(stops), jnp.asarray([not r.speculative for r in reqs]), jnp.asarray(seen), span=self._span(longest + 1),
-            backend=eng.backend,
+        self.batch, first = admit_finish(
+            eng.graphdef, eng.params, self.prop, eng.dparams, self.batch, rows, st, jnp.asarray([r.max_new for r in reqs], jnp.int32),
+            jnp.asarray(stops), jnp.asarray([not r.speculative for r in reqs]), jnp.asarray(seen),
+            span=self._span(max(len(r.ids) for r in reqs) + 1), backend=eng.backend,
         )
-        self.batch = batch
-        for r in reqs:
-            r.known, r.inflight = len(r.ids) + 1, 0
+        with self.lock:
+            for r in reqs:
+                r.known, r.inflight = len(r.ids) + 1, 0
+                r.decoding = not r.cancelled
+        self._release([r for r in reqs if r.cancelled])
         self._pending.append(("admit", reqs, first))
+
+    def _release(self, reqs: list[Request]) -> None:
+        """Frees the slots of requests cancelled while they were being prefilled."""
+        with self.lock:
+            for r in reqs:
+                if self.busy.get(r.slot) is r:
+                    del self.busy[r.slot]
 
     def _span(self, need: int) -> int:
         """KV columns a program reads: a power of two >= need and >= min_span."""
@@ -353,12 +386,9 @@ class Scheduler:
             r.inflight += 1
         # attention must see every column a slot can reach by the end of this dispatch
         need = max(r.known + r.inflight * self.window for r in busy.values()) + self.scratch
-        with self.lock:
-            kill = np.zeros((self.slots,), bool)
-            for s in self.to_kill:
-                if s not in self.busy:
-                    kill[s] = True
-            self.to_kill.clear()
+        # every slot not decoding a live request stops: finished, cancelled, prefilling or free
+        kill = np.ones((self.slots,), bool)
+        kill[list(busy)] = False
         eng = self.eng
         self.batch, outs = dispatch(eng.graphdef, eng.params, self.prop, eng.dparams, self.spec, self.batch, jnp.asarray(kill),
                                     k=self.k, n_act=n_act, span=self._span(need), backend=eng.backend)
@@ -417,22 +447,33 @@ class Scheduler:
         if reason is not None:
             with self.lock:
                 if self.busy.get(r.slot) is r:
-                    del self.busy[r.slot]
-                    if stop_hit is not None:
-                        self.to_kill.add(r.slot)  # the device may still be running it
+                    del self.busy[r.slot]  # a stop-string finish may still run on the device: the next dispatch stops it
                 self._finish(r, reason)
 
     def _detok(self, r: Request, final: bool):
-        """Decodes the output so far; returns (new text to stream, stop-string finish reason or None)."""
+        """Extends r.text by the new tokens; returns (text to stream, stop-string finish reason or None).
+
+        Incremental: only the tokens after `r.prefix_off` are decoded (a few tokens of left context
+        keep word-initial spaces and multi-byte characters right), so a long output costs O(n), not
+        O(n^2). The final text is one full decode, as the offline engine's."""
         tok = self.eng.tokenizer
         if tok is None:
             return "", None
         skip = r.params.skip_special_tokens
         with self.tok_lock:
-            text = tok.decode(r.out_ids, skip_special_tokens=skip)
+            if final:
+                text = tok.decode(r.out_ids, skip_special_tokens=skip)
+            else:
+                before = tok.decode(r.out_ids[r.prefix_off : r.read_off], skip_special_tokens=skip)
+                after = tok.decode(r.out_ids[r.prefix_off :], skip_special_tokens=skip)
+                text = r.text
+                if len(after) > len(before) and after.startswith(before) and not after.endswith("\ufffd"):
+                    text = r.text + after[len(before) :]
+                    r.prefix_off, r.read_off = max(r.read_off - 4, 0), len(r.out_ids)
         stops = [s for s in r.params.stop_strings if s]
         hit = None
-        found = [(text.find(s), s) for s in stops if s in text]
+        lo_search = max(0, min(r.sent, len(text)) - max((len(s) for s in stops), default=0))
+        found = [(text.find(s, lo_search), s) for s in stops if s in text[lo_search:]]
         if found:
             pos, s = min(found)
             lo, hi = 1, len(r.out_ids)  # the shortest output whose text contains the stop string
@@ -443,10 +484,8 @@ class Scheduler:
             r.out_ids = r.out_ids[:lo]
             text, hit, final = text[:pos], {"type": "stop", "matched": s}, True
         safe = len(text)
-        if not final:
-            safe = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 sequence: wait for its next token
-            if stops:  # hold back what could be the start of a stop string
-                safe -= max(len(s) for s in stops) - 1
+        if not final and stops:  # hold back what could be the start of a stop string
+            safe -= max(len(s) for s in stops) - 1
         safe = max(safe, r.sent)
         delta = text[r.sent : safe]
         r.sent = safe
@@ -510,7 +549,8 @@ def warmup(sched: Scheduler, max_bs: int, progress: bool = True) -> int:
         reqs = [Request(ids=[1] * 8, params=SamplingParams(max_new_tokens=2, temperature=0.0), emit=lambda e: None) for _ in range(n)]
         for r in reqs:
             sched.submit(r)
-        sched._admit()  # admit_chunk + admit_finish
+        sched._admit()
+        sched._prefill(interleave=False)  # admit_chunk + admit_finish
         bar.update(2)
         compiled += 2
         for span in spans:  # every slot killed: the loop exits at once, but the program compiles
