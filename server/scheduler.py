@@ -1,8 +1,10 @@
 """Continuous batching on the host: a bounded wait queue, slot allocation, streaming, cancellation.
 
 One scheduler thread owns the device state (jaxspec/serving.py `SlotBatch`) and loops:
-  admit     waiting requests take the lowest free slots, in power-of-two groups (prefill + first token)
-  dispatch  k rounds for the busy slots (one compiled program)
+  admit     waiting requests take the lowest free slots, in power-of-two groups
+  prefill   one prompt chunk per iteration while others decode (all chunks when nothing decodes),
+            then the group's first tokens
+  dispatch  k rounds for the decoding slots (one compiled program); every other slot is stopped
   process   fetch a dispatch's new tokens, detokenize, stream them, finish requests, free their slots
 With overlap on (the default), dispatch i + 1 is enqueued before dispatch i's results are fetched,
 so host work (detokenizing, streaming, admitting) runs while the device computes (JAX async

@@ -33,6 +33,7 @@ def models(tmp_path_factory):
         "target": str(d / "target"),
         "small": str(d / "small"),
         "eagle3": save_eagle_head(d / "eagle3", "EAGLE3", cfg, seed=2, draft_vocab=12, scale=10.0, aux_layer_ids=[0, 1, 2]),
+        "hf": tgt,
     }
 
 
@@ -186,3 +187,20 @@ def test_long_prefill_interleaves_with_decoding(models):
     sched.run_until_idle()
     assert "doomed" not in res and res["late"] == ref[0] and res["keeper"][:24] == ref[0]
     assert late.slot == doomed.slot  # it got the slot once the cancelled prefill let go
+
+
+def test_opted_out_sampling_matches_target_distribution(models):
+    """Requests that turn speculation off on a speculative server sample inside the round
+    (spec_round(plain=...)); their tokens 2 and 3 must follow the target distribution (chi-square)."""
+    from test_spec import chi2_pvalue, exact_pair_distribution
+
+    prompt, n = [3, 1, 4], 4096
+    probs = exact_pair_distribution(models["hf"], prompt, 1.0)
+    eng = engine(models, "EAGLE3", "eagle3")
+    params = [dict(temperature=1.0, max_new_tokens=3, ignore_eos=True, seed=s) for s in range(n)]
+    out, _ = serve(eng, [prompt] * n, params, speculative=[False] * n, slots=512)
+    counts = np.zeros((V, V))
+    for r in out:
+        assert not r["meta_info"]["speculative"]
+        counts[r["output_ids"][1], r["output_ids"][2]] += 1
+    assert chi2_pvalue(counts, probs) > 1e-3
