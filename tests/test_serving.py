@@ -198,7 +198,7 @@ def test_opted_out_sampling_matches_target_distribution(models):
     probs = exact_pair_distribution(models["hf"], prompt, 1.0)
     eng = engine(models, "EAGLE3", "eagle3")
     params = [dict(temperature=1.0, max_new_tokens=3, ignore_eos=True, seed=s) for s in range(n)]
-    out, _ = serve(eng, [prompt] * n, params, speculative=[False] * n, slots=512)
+    out, _ = serve(eng, [prompt] * n, params, speculative=[False] * n, slots=512, max_queued_requests=n)
     counts = np.zeros((V, V))
     for r in out:
         assert not r["meta_info"]["speculative"]
