@@ -307,11 +307,7 @@ class Engine:
             hits = [(text.find(s), s) for s in p.stop_strings if s and s in text]
             if hits:  # multi-token stop strings are applied after generation
                 pos, s = min(hits)
-                lo, hi = 1, len(out_ids)  # smallest prefix whose text contains the stop string
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    lo, hi = (lo, mid) if s in decode_ids(out_ids[:mid]) else (mid + 1, hi)
-                out_ids = out_ids[:lo]
+                out_ids = out_ids[: tokens_through(decode_ids, out_ids, s)]
                 text = text[:pos]
                 reason = {"type": "stop", "matched": s}
         return {
@@ -331,6 +327,15 @@ class Engine:
 
 
 _ENGINES: dict = {}
+
+
+def tokens_through(decode_ids, out_ids: list[int], stop: str) -> int:
+    """The fewest leading tokens of out_ids whose decoded text contains `stop` (binary search)."""
+    lo, hi = 1, len(out_ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if stop in decode_ids(out_ids[:mid]) else (mid + 1, hi)
+    return lo
 
 
 def _draft_from_target(loaded: LoadedModel, algo: str | None) -> tuple | None:

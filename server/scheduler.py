@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.decode import LENGTH, STOPPED
-from jaxspec.engine import Engine, bucket
+from jaxspec.engine import Engine, bucket, tokens_through
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingParams, SamplingTensors
 from jaxspec.serving import SlotBatch, admit_chunk, admit_finish, dispatch
@@ -478,12 +478,8 @@ class Scheduler:
         found = [(text.find(s, lo_search), s) for s in stops if s in text[lo_search:]]
         if found:
             pos, s = min(found)
-            lo, hi = 1, len(r.out_ids)  # the shortest output whose text contains the stop string
             with self.tok_lock:
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    lo, hi = (lo, mid) if s in tok.decode(r.out_ids[:mid], skip_special_tokens=skip) else (mid + 1, hi)
-            r.out_ids = r.out_ids[:lo]
+                r.out_ids = r.out_ids[: tokens_through(lambda x: tok.decode(x, skip_special_tokens=skip), r.out_ids, s)]
             text, hit, final = text[:pos], {"type": "stop", "matched": s}, True
         safe = len(text)
         if not final and stops:  # hold back what could be the start of a stop string
