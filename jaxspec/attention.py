@@ -1,4 +1,4 @@
-"""Attention over a per-slot KV cache with a compact mask description.
+"""Attention over a per-slot KV cache with a compact mask description: one entry point, two backends.
 
 Query rows are T new tokens per slot whose KV was just written at cache columns
 prefix_len[b] + offset + t. Visibility of cache column c for query row t:
@@ -9,55 +9,90 @@ prefix_len[b] + offset + t. Visibility of cache column c for query row t:
 A verification tree passes its ancestor mask [B, N, N]; a draft tree step passes [B, k, W] over all
 draft-tree tokens so far (DESIGN.md §5) — never a dense [B, N, S] mask.
 
-Backends: "xla" (this file, the reference, any mask). Pallas kernels (issue 6) plug in here and
-are checked against `attention_reference`.
+Backends:
+  "xla"     the pure-jnp reference (`pallas_kernels.tree_attention.tree_attention_reference`); any
+            shape; the CPU default and the fallback.
+  "pallas"  the Pallas GPU kernels: `decode_attention` for one causal query per slot, `tree_attention`
+            for everything else (verification trees, draft beams, prefill chunks). Off the GPU they
+            run in Pallas interpret mode (slow; for tests). Shapes the kernels do not handle (head_dim
+            not a power of two, cache length not a multiple of 16) fall back to "xla" with a warning.
+`default_backend()` picks "pallas" on a GPU whose kernels pass a start-up self-check (compiled and
+compared with the reference on small shapes), and "xla" elsewhere or if the check fails (logged).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import jax
 import jax.numpy as jnp
 
-BACKENDS = ("xla",)
+from pallas_kernels import decode_attention as _decode
+from pallas_kernels import tree_attention as _tree
+
+BACKENDS = ("xla", "pallas")
+attention_reference = _tree.tree_attention_reference
+logger = logging.getLogger(__name__)
 
 
-def visibility(prefix_len, t: int, s: int, local_mask=None, sliding_window=None, offset=0):
-    """Boolean [B, T, S] visibility of cache columns, as described in the module docstring."""
-    col = jnp.arange(s)[None, None, :]  # [1, 1, S]
-    rel = col - prefix_len[:, None, None]  # [B, 1, S]
-    row = jnp.arange(t)[None, :, None]
-    if local_mask is None:
-        local = rel <= offset + row  # causal within the new block
-    else:
-        w = local_mask.shape[2]
-        idx = jnp.broadcast_to(jnp.clip(rel, 0, w - 1), (rel.shape[0], t, s))
-        local = (rel < w) & jnp.take_along_axis(local_mask, idx, axis=2)
-    vis = (rel < 0) | local
-    if sliding_window is not None:
-        vis &= col > prefix_len[:, None, None] + offset + row - sliding_window
-    return vis
+def default_backend() -> str:
+    return "pallas" if jax.default_backend() == "gpu" and pallas_self_check() is None else "xla"
 
 
-def attention_reference(q, k, v, prefix_len, local_mask=None, sliding_window=None, offset=0, scale=None):
-    """Pure-jnp attention.
+@functools.cache
+def pallas_self_check() -> str | None:
+    """Runs both kernels once on small random inputs (bf16, GQA 4, a tree mask, ragged lengths) and
+    compares with the reference. Returns None if they agree, else what went wrong (logged)."""
+    import numpy as np
 
-    q: [B, T, H, D]; k, v: [B, S, Hkv, D]; prefix_len: [B] int32; local_mask: [B, T, W] bool or None.
-    Returns [B, T, H, D] in q.dtype. Softmax is computed in float32.
-    """
-    b, t, h, d = q.shape
-    s, hkv = k.shape[1], k.shape[2]
-    g = h // hkv
-    scale = d**-0.5 if scale is None else scale
-    qg = q.reshape(b, t, hkv, g, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    vis = visibility(prefix_len, t, s, local_mask, sliding_window, offset)  # [B, T, S]
-    scores = jnp.where(vis[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, d).astype(q.dtype)
+    try:
+        rng = np.random.default_rng(0)
+        b, t, hkv, g, d, s = 2, 8, 2, 4, 128, 256
+        q, k, v = (jnp.asarray(rng.standard_normal(x), jnp.bfloat16) for x in ((b, t, hkv * g, d), (b, s, hkv, d), (b, s, hkv, d)))
+        kv_len = jnp.asarray([3, 200], jnp.int32)
+        mask = jnp.asarray(rng.random((b, t, t)) < 0.5) | jnp.eye(t, dtype=bool)
+        interpret = jax.default_backend() != "gpu"
+        pairs = [(_tree.tree_attention(q, k, v, kv_len, mask, interpret=interpret), attention_reference(q, k, v, kv_len, mask)),
+                 (_decode.decode_attention(q[:, 0], k, v, kv_len, interpret=interpret),
+                  _decode.decode_attention_reference(q[:, 0], k, v, kv_len))]
+        err = max(float(jnp.max(jnp.abs(o.astype(jnp.float32) - r.astype(jnp.float32)))) for o, r in pairs)
+        problem = None if err < 5e-2 else f"max abs error {err:.3g} against the reference"
+    except Exception as e:  # a lowering/compile failure on this GPU or JAX version
+        problem = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    if problem:
+        logger.warning("pallas attention kernels failed their self-check (%s); using the xla backend", problem)
+    return problem
+
+
+def resolve_backend(backend: str | None) -> str:
+    """None/"auto" -> the platform default; otherwise checked against BACKENDS (ValueError)."""
+    if backend in (None, "auto"):
+        return default_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; available: {', '.join(BACKENDS)}")
+    return backend
 
 
 def attention(q, k, v, prefix_len, local_mask=None, sliding_window=None, offset=0, backend: str = "xla"):
-    if backend == "xla":
-        return attention_reference(q, k, v, prefix_len, local_mask, sliding_window, offset)
-    raise ValueError(f"unknown attention backend {backend!r}; available: {BACKENDS}")
+    """q: [B, T, H, D]; k, v: [B, S, Hkv, D]; prefix_len: [B] int32; local_mask: [B, T, W] bool or None.
+    Returns [B, T, H, D] in q.dtype."""
+    if backend == "pallas":
+        reason = _tree.supported(q, k)
+        if reason is None:
+            interpret = jax.default_backend() != "gpu"
+            if q.shape[1] == 1 and local_mask is None:
+                out = _decode.decode_attention(q[:, 0], k, v, prefix_len + offset + 1, sliding_window=sliding_window,
+                                               interpret=interpret)
+                return out[:, None]
+            return _tree.tree_attention(q, k, v, prefix_len, local_mask, offset=offset, sliding_window=sliding_window,
+                                        interpret=interpret)
+        _warn_fallback(reason)
+    elif backend != "xla":
+        raise ValueError(f"unknown attention backend {backend!r}; available: {', '.join(BACKENDS)}")
+    return attention_reference(q, k, v, prefix_len, local_mask, offset=offset, sliding_window=sliding_window)
+
+
+@functools.cache
+def _warn_fallback(reason: str):
+    logger.warning("attention backend pallas: %s; using xla for these shapes", reason)

@@ -22,7 +22,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running-requests", type=int, default=8,
                    help="maximum batch size of one compiled decode (serve: request slots; default there: what fits, at most 8 on CPU / 64 on GPU)")
     g.add_argument("--chunked-prefill-size", type=int, default=512, help="prompt tokens per prefill chunk")
-    g.add_argument("--attention-backend", default="xla", choices=["xla"], help="attention implementation")
+    g.add_argument("--attention-backend", default=None, choices=["xla", "pallas"],
+                   help="attention implementation (default: pallas on a GPU, xla elsewhere)")
     g.add_argument("--random-seed", type=int, default=0)
     g.add_argument("--log-level", default="warning")
     s = p.add_argument_group("speculative decoding (SGLang's flags)")

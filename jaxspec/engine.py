@@ -14,6 +14,7 @@ repeated calls reuse compiled programs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxspec.attention import resolve_backend
 from jaxspec.cache import KVCache
 from jaxspec.config import SpecConfig
 from jaxspec.decode import LENGTH, STOPPED, decode, prefill_chunk
@@ -49,7 +51,7 @@ class Engine:
         context_length: int | None = None,
         max_running_requests: int = 8,
         chunked_prefill_size: int = 512,
-        attention_backend: str = "xla",
+        attention_backend: str | None = None,
         random_seed: int = 0,
         speculative_algorithm: str | None = None,
         speculative_draft_model_path: str | None = None,
@@ -90,8 +92,10 @@ class Engine:
         algo = None if speculative_algorithm is None else str(speculative_algorithm).upper().replace("NEXTN", "EAGLE")
         early = (algo, "<from the target>", None) if algo in ("EAGLE", "EAGLE3") else None
         SpecConfig.resolve(speculative_algorithm, None, warn=False, bundled=early, **spec_args)
-        if attention_backend != "xla":
-            raise JaxspecError(f"unknown attention_backend {attention_backend!r}; available: xla")
+        try:
+            attention_backend = resolve_backend(attention_backend)
+        except ValueError as e:
+            raise JaxspecError(str(e)) from None
         if max_running_requests < 1 or chunked_prefill_size < 1:
             raise JaxspecError("max_running_requests and chunked_prefill_size must be >= 1")
         if _loaded is None:
@@ -115,6 +119,7 @@ class Engine:
             from jaxspec.spec.proposers import load_proposer
 
             self.proposer, self.dparams = load_proposer(self.spec, _loaded, dtype, show_progress)
+            self.proposer = dataclasses.replace(self.proposer, attention_backend=attention_backend)
         self._corpus = None
         if self.spec.algorithm == "NGRAM":
             self.reset_ngram_corpus()

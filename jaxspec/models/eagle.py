@@ -63,11 +63,11 @@ class Eagle2Head(nnx.Module):
         self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True, dtype=dtype, rngs=rngs)
         self.layer = DecoderLayer(cfg, dtype, rngs, input_norm=False)
 
-    def __call__(self, embeds, hidden, positions, cache: KVCache, local_mask=None, offset=0):
+    def __call__(self, embeds, hidden, positions, cache: KVCache, local_mask=None, offset=0, backend="xla"):
         """embeds, hidden: [B, T, H] -> (draft hidden [B, T, H] for the target LM head and feedback, cache)."""
         x = self.fc(jnp.concatenate([embeds, hidden.astype(embeds.dtype)], -1))
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
-        x, cache = self.layer(x, positions, inv_freq, cache, 0, local_mask, offset, "xla")
+        x, cache = self.layer(x, positions, inv_freq, cache, 0, local_mask, offset, backend)
         return x, x, cache
 
 
@@ -93,7 +93,7 @@ class Eagle3Head(nnx.Module):
         self.lm_head = Linear(h, draft_vocab_size, bias=False, dtype=dtype, rngs=rngs)
         self.d2t = nnx.Variable(jnp.zeros((draft_vocab_size,), jnp.int32))
 
-    def __call__(self, embeds, hidden, positions, cache: KVCache, local_mask=None, offset=0):
+    def __call__(self, embeds, hidden, positions, cache: KVCache, local_mask=None, offset=0, backend="xla"):
         """embeds: [B, T, H]; hidden: [B, T, 3H] (target features) or [B, T, H] (fed back).
         Returns (normed hidden [B, T, H] for lm_head, pre-norm hidden to feed back, cache)."""
         if hidden.shape[-1] != embeds.shape[-1]:
@@ -102,7 +102,7 @@ class Eagle3Head(nnx.Module):
         m = self.midlayer
         x = jnp.concatenate([m.input_layernorm(embeds), m.hidden_norm(hidden)], -1)
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
-        a, cache = m.self_attn(x, positions, inv_freq, cache, 0, local_mask, offset, "xla")
+        a, cache = m.self_attn(x, positions, inv_freq, cache, 0, local_mask, offset, backend)
         residual = a + hidden
         out = m.mlp(m.post_attention_layernorm(residual)) + residual
         return self.norm(out), out, cache

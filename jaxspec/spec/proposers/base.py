@@ -36,6 +36,7 @@ class Proposer:
     capture_layers: tuple = ()  # target layers whose inputs the draft consumes (EAGLE-3)
     uses_hidden: bool = False  # the draft consumes target / fed-back hidden states
     builds_tree: bool = False  # the proposer builds the whole tree itself (propose_tree), e.g. NGRAM
+    attention_backend: str = "xla"  # the draft model's attention (jaxspec.attention); the engine sets it
 
     def __hash__(self):
         return id(self)

@@ -50,7 +50,7 @@ class EagleProposer(Proposer):
     def _run(self, dparams, tgt, cache, tokens, hidden, pos, mask=None, offset=0):
         head = nnx.merge(self.graphdef, dparams["draft"])
         embeds = tgt.embed_tokens[...][tokens]
-        lh, fb, cache = head(embeds, hidden, pos, cache, mask, offset)
+        lh, fb, cache = head(embeds, hidden, pos, cache, mask, offset, self.attention_backend)
         return head, lh, fb, cache
 
     def prefill_chunk(self, dparams, tgt, cache, tokens, feats, start, commit_lens):

@@ -31,7 +31,7 @@ class StandaloneProposer(Proposer):
         b, c = tokens.shape
         cache = dataclasses.replace(cache, lengths=jnp.full((b,), start, jnp.int32))
         pos = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
-        _, cache, _ = draft(tokens, pos, cache)
+        _, cache, _ = draft(tokens, pos, cache, backend=self.attention_backend)
         return dataclasses.replace(cache, lengths=jnp.minimum(commit_lens, start + c).astype(jnp.int32))
 
     def extend(self, dparams, tgt, state, tokens, feats, n_block, active):
@@ -39,7 +39,7 @@ class StandaloneProposer(Proposer):
         cache = state.cache
         b, t = tokens.shape
         pos = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        h, cache, _ = draft(tokens, pos, cache)
+        h, cache, _ = draft(tokens, pos, cache, backend=self.attention_backend)
         root = jax.nn.softmax(self._logits(dparams, draft, pick_rows(h, n_block - 1)), -1)
         cache = dataclasses.replace(cache, lengths=cache.lengths + jnp.where(active, n_block - 1, 0))
         return DraftState(cache, jnp.where(active[:, None], root, state.root_probs), state.root_hidden)
@@ -47,7 +47,7 @@ class StandaloneProposer(Proposer):
     def step(self, dparams, tgt, state, tokens, hidden, depth, mask, offset):
         draft = nnx.merge(self.graphdef, dparams["draft"])
         pos = state.cache.lengths[:, None] + depth + jnp.zeros_like(tokens)
-        h, cache, _ = draft(tokens, pos, state.cache, local_mask=mask, offset=offset)
+        h, cache, _ = draft(tokens, pos, state.cache, local_mask=mask, offset=offset, backend=self.attention_backend)
         return jax.nn.softmax(self._logits(dparams, draft, h), -1), None, dataclasses.replace(state, cache=cache)
 
 

@@ -1,0 +1,55 @@
+"""Decode attention: one query token per slot over its per-slot-length KV cache (flash-decoding), a
+Pallas GPU kernel wrapper and its jnp reference.
+
+Backend: Pallas on Triton, for the reasons given at the top of `tree_attention.py`.
+
+Decode is the T = 1, causal case of the tree kernel, and it runs that same kernel body: the G query
+heads of a KV head are packed into one program's rows (padded to 16), and the slot's visible columns
+[0, kv_len) are split evenly across `splits` programs at run time, so a long context is read by many
+SMs at once even at batch 1 (B * Hkv programs alone would leave most of an H100 idle: 8 for
+Llama-3.1-8B). Keeping one body means one online-softmax and one split-merge to get right; what is
+decode-specific is only the shape handling and the split count. The draft's top-k beams (several
+queries with an ancestor mask) go through `tree_attention` directly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.tree_attention import tree_attention
+
+
+def decode_attention_reference(q, k, v, kv_len, *, sliding_window=None, scale=None):
+    """Pure jnp. q: [B, H, D]; k, v: [B, S, Hkv, D]; kv_len: [B] int32, the visible columns [0, kv_len)
+    (the query's own KV is the last of them). Returns [B, H, D] in q.dtype; softmax in float32."""
+    b, h, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    qg = q.reshape(b, hkv, h // hkv, d)
+    scores = jnp.einsum("bkgd,bskd->bkgs", qg, k, preferred_element_type=jnp.float32) * scale
+    col = jnp.arange(s)[None, :]
+    vis = col < kv_len[:, None]  # [B, S]
+    if sliding_window is not None:
+        vis &= col >= kv_len[:, None] - sliding_window
+    scores = jnp.where(vis[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgs,bskd->bkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, h, d).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "block_k", "splits", "num_warps",
+                                             "num_stages", "interpret"))
+def decode_attention(q, k, v, kv_len, *, sliding_window: int | None = None, scale: float | None = None,
+                     block_k: int | None = None, splits: int | None = None, num_warps: int = 4,
+                     num_stages: int = 2, interpret: bool = False):
+    """q: [B, H, D]; k, v: [B, S, Hkv, D] (read in place); kv_len: [B] int32 visible columns.
+    Returns [B, H, D] in q.dtype. Knobs as in `tree_attention` (splits default: fill the GPU)."""
+    # The tree kernel's causal rule with one row: column c is visible iff c - prefix <= 0, i.e.
+    # c < kv_len for prefix = kv_len - 1; its sliding-window rule c > prefix - window matches ours.
+    out = tree_attention(q[:, None], k, v, kv_len - 1, None, sliding_window=sliding_window, scale=scale,
+                         block_k=block_k, splits=splits, num_warps=num_warps, num_stages=num_stages,
+                         interpret=interpret)
+    return out[:, 0]

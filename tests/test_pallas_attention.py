@@ -1,0 +1,157 @@
+"""Pallas attention kernels against their jnp references, and the engine on the pallas backend.
+
+Off a GPU the kernels run in Pallas interpret mode (the same kernel body, executed by the CPU); on a
+GPU the same tests run the compiled Triton kernels. Cases: ragged kv_len per slot (including 0 and a
+full cache), N in {1, 4, 8, 16, 32, 64} tree tokens with ancestor masks of real trees (random parent
+pointers through `build_tree`), GQA ratios 1/3/4/8, float32 and bfloat16, causal prefill chunks with
+row tiling, draft-beam masks with an offset, sliding windows, and explicit split counts.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.spec.tree import build_tree
+from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
+from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
+
+INTERPRET = jax.default_backend() != "gpu"
+TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def _qkv(seed, b, t, h, hkv, d, s, dtype):
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in ((b, t, h, d), (b, s, hkv, d), (b, s, hkv, d)))
+    return rng, q, k, v
+
+
+def _tree_mask(rng, b, n):
+    """Ancestor-or-self masks [B, N, N] of random trees (parent[i] < i), as verification builds them."""
+    parent = np.zeros((b, n), np.int32)
+    for i in range(1, n):
+        parent[:, i] = rng.integers(0, i, size=b)
+    return build_tree(jnp.zeros((b, n), jnp.int32), jnp.asarray(parent), max_depth=n).anc
+
+
+def _close(out, ref, dtype):
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **TOL[dtype])
+
+
+# (N tree tokens, GQA ratio, dtype): every N, every ratio, both dtypes, without the full product.
+TREE_CASES = [(1, 1, jnp.float32), (4, 3, jnp.bfloat16), (8, 4, jnp.float32), (16, 8, jnp.bfloat16),
+              (32, 1, jnp.bfloat16), (64, 3, jnp.float32), (16, 4, jnp.bfloat16), (8, 8, jnp.float32)]
+
+
+@pytest.mark.parametrize("n,group,dtype", TREE_CASES, ids=[f"N{n}-G{g}-{jnp.dtype(d).name}" for n, g, d in TREE_CASES])
+def test_pallas_tree_attention_matches_reference(n, group, dtype):
+    b, hkv, d, s = 3, 2, 64 if n % 2 else 128, 256
+    rng, q, k, v = _qkv(n, b, n, hkv * group, hkv, d, s, dtype)
+    kv_len = jnp.asarray([0, 77, s - n], jnp.int32)  # empty prefix, ragged, the tree ends at the last column
+    mask = _tree_mask(rng, b, n)
+    out = tree_attention(q, k, v, kv_len, mask, interpret=INTERPRET)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    _close(out, tree_attention_reference(q, k, v, kv_len, mask), dtype)
+
+
+@pytest.mark.parametrize("group,dtype", [(1, jnp.bfloat16), (3, jnp.float32), (4, jnp.bfloat16), (8, jnp.float32)])
+def test_pallas_decode_attention_matches_reference(group, dtype):
+    b, hkv, d, s = 4, 2, 128, 512
+    _, q, k, v = _qkv(group, b, 1, hkv * group, hkv, d, s, dtype)
+    kv_len = jnp.asarray([1, 5, 300, s], jnp.int32)
+    out = decode_attention(q[:, 0], k, v, kv_len, interpret=INTERPRET)
+    _close(out, decode_attention_reference(q[:, 0], k, v, kv_len), dtype)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_pallas_decode_splits_and_sliding_window(splits):
+    """Any split count merges to the same result; a sliding window limits what the query sees."""
+    b, hkv, group, d, s = 2, 1, 4, 64, 1024
+    _, q, k, v = _qkv(10 + splits, b, 1, hkv * group, hkv, d, s, jnp.float32)
+    kv_len = jnp.asarray([1000, 37], jnp.int32)
+    _close(decode_attention(q[:, 0], k, v, kv_len, splits=splits, interpret=INTERPRET),
+           decode_attention_reference(q[:, 0], k, v, kv_len), jnp.float32)
+    _close(decode_attention(q[:, 0], k, v, kv_len, sliding_window=100, splits=splits, interpret=INTERPRET),
+           decode_attention_reference(q[:, 0], k, v, kv_len, sliding_window=100), jnp.float32)
+
+
+def test_pallas_causal_prefill_chunk_with_row_tiles():
+    """A causal chunk of T = 40 tokens x G = 3 rows spans two 64-row tiles; with an offset and a window."""
+    b, t, hkv, group, d, s = 2, 40, 2, 3, 64, 128
+    _, q, k, v = _qkv(7, b, t, hkv * group, hkv, d, s, jnp.float32)
+    kv_len = jnp.asarray([0, 50], jnp.int32)
+    for kw in (dict(), dict(offset=3), dict(sliding_window=16)):
+        _close(tree_attention(q, k, v, kv_len, None, interpret=INTERPRET, **kw),
+               tree_attention_reference(q, k, v, kv_len, None, **kw), jnp.float32)
+
+
+def test_pallas_draft_beam_mask():
+    """An EAGLE draft step: topk = 4 beams over W = 13 draft-tree tokens, each beam seeing its path."""
+    b, topk, w, hkv, group, d, s = 2, 4, 13, 2, 4, 64, 192
+    rng, q, k, v = _qkv(3, b, topk, hkv * group, hkv, d, s, jnp.bfloat16)
+    mask = jnp.asarray(rng.random((b, topk, w)) < 0.4)
+    kv_len = jnp.asarray([60, 179], jnp.int32)  # the second slot's region runs past the cache end
+    _close(tree_attention(q, k, v, kv_len, mask, offset=9, interpret=INTERPRET),
+           tree_attention_reference(q, k, v, kv_len, mask, offset=9), jnp.bfloat16)
+
+
+# ---- the engine on the pallas backend -----------------------------------------------------------
+
+V = 16
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 1, 2, 3, 4]]
+GREEDY = dict(temperature=0, max_new_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from conftest import make_hf_model, save_eagle_head
+
+    d = tmp_path_factory.mktemp("pallas")
+    tgt = make_hf_model("llama", 3, vocab_size=V, num_hidden_layers=3, initializer_range=0.3,
+                        max_position_embeddings=64)
+    tgt.save_pretrained(d / "target")
+    make_hf_model("llama", 5, vocab_size=V, num_hidden_layers=1, initializer_range=0.3,
+                  max_position_embeddings=64).save_pretrained(d / "small")
+    eagle3 = save_eagle_head(d / "eagle3", "EAGLE3", tgt.config.to_dict(), seed=2, draft_vocab=12, scale=10.0,
+                             aux_layer_ids=[0, 1, 2])
+    return {"target": str(d / "target"), "small": str(d / "small"), "eagle3": eagle3}
+
+
+@pytest.mark.parametrize("algo,draft,knobs", [(None, None, None), ("EAGLE3", "eagle3", (3, 4, 8)), ("STANDALONE", "small", (3, 2, 6))])
+def test_engine_pallas_backend_token_identical(models, algo, draft, knobs, caplog):
+    from jaxspec.engine import Engine
+
+    spec = {}
+    if algo:
+        spec = dict(speculative_algorithm=algo, speculative_draft_model_path=models[draft], speculative_num_steps=knobs[0],
+                    speculative_eagle_topk=knobs[1], speculative_num_draft_tokens=knobs[2])
+    outs = {}
+    for backend in ("xla", "pallas"):
+        eng = Engine(models["target"], skip_tokenizer_init=True, show_progress=False, chunked_prefill_size=8,
+                     attention_backend=backend, **spec)
+        assert eng.backend == backend and (eng.proposer is None or eng.proposer.attention_backend == backend)
+        with caplog.at_level(logging.WARNING):
+            outs[backend] = [r["output_ids"] for r in eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    assert "using xla" not in caplog.text  # the kernels ran; no shape fell back
+    assert outs["pallas"] == outs["xla"]
+
+
+def test_backend_flag_errors_and_default():
+    from jaxspec.attention import resolve_backend
+    from jaxspec.engine import Engine
+    from jaxspec.errors import JaxspecError
+
+    assert resolve_backend(None) == ("pallas" if jax.default_backend() == "gpu" else "xla")
+    with pytest.raises(JaxspecError, match="available: xla, pallas"):
+        Engine("unused", attention_backend="flash")
+
+
+def test_pallas_self_check_passes():
+    """The check `default_backend()` runs before choosing pallas on a GPU (here: interpreted)."""
+    from jaxspec.attention import pallas_self_check
+
+    assert pallas_self_check() is None
