@@ -39,7 +39,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 NEG = -1e30  # finite "minus infinity": masked scores never produce inf - inf
-TARGET_PROGRAMS = 264  # ~2 waves of an H100's 132 SMs
+TARGET_PROGRAMS = 132  # one wave of an H100's SMs
+MIN_SPLIT_COLUMNS = 256  # fewer columns per split and the split-merge traffic (float32 partial
+                         # outputs) starts to rival the K/V bytes it saves time on
 
 
 def tree_attention_reference(q, k, v, kv_len, local_mask=None, *, offset=0, sliding_window=None, scale=None):
@@ -161,10 +163,10 @@ def _combine(acc, m, l):
     return num / jnp.where(den > 0, den, 1.0)[..., None]
 
 
-def default_splits(b: int, hkv: int, row_blocks: int, s: int, block_k: int) -> int:
-    """Enough programs to fill the GPU, but never more splits than KV blocks."""
+def default_splits(b: int, hkv: int, row_blocks: int, s: int) -> int:
+    """Enough programs to fill the GPU, each split covering at least MIN_SPLIT_COLUMNS of a full cache."""
     want = pl.cdiv(TARGET_PROGRAMS, b * hkv * row_blocks)
-    return int(max(1, min(want, s // block_k, 64)))
+    return int(max(1, min(want, s // MIN_SPLIT_COLUMNS, 64)))
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "block_k", "block_r", "splits",
@@ -190,7 +192,7 @@ def tree_attention(q, k, v, kv_len, local_mask=None, *, offset=0, sliding_window
     block_r = block_r or min(64, max(16, _pow2(rows)))
     r_pad = pl.cdiv(rows, block_r) * block_r
     row_blocks = r_pad // block_r
-    splits = splits or default_splits(b, hkv, row_blocks, s, block_k)
+    splits = splits or default_splits(b, hkv, row_blocks, s)
 
     # [B, T, Hkv, G, D] -> [B, Hkv, T*G (padded), D]: row r = t * G + g.
     qp = q.reshape(b, t, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
