@@ -50,10 +50,10 @@ class NextNHead(nnx.Module):
         self.layer = DecoderLayer(cfg, dtype, rngs)
         self.shared_head = SharedHead(cfg, dtype)
 
-    def __call__(self, embeds, hidden, positions, cache: KVCache, local_mask=None, offset=0):
+    def __call__(self, embeds, hidden, positions, cache: KVCache, local_mask=None, offset=0, backend="xla"):
         """embeds, hidden: [B, T, H] -> (normed output for the LM head, the same to feed back, cache)."""
         x = self.eh_proj(jnp.concatenate([self.enorm(embeds), self.hnorm(hidden.astype(embeds.dtype))], -1))
-        y, cache = self.layer(x, positions, jnp.asarray(rope_inv_freq(self.cfg)), cache, 0, local_mask, offset, "xla")
+        y, cache = self.layer(x, positions, jnp.asarray(rope_inv_freq(self.cfg)), cache, 0, local_mask, offset, backend)
         out = self.shared_head.norm(y)
         return out, out, cache
 
@@ -70,10 +70,10 @@ class MiMoMTPHead(nnx.Module):
         self.layer = DecoderLayer(cfg, dtype, rngs)
         self.final_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
 
-    def __call__(self, embeds, hidden, positions, cache: KVCache, local_mask=None, offset=0):
+    def __call__(self, embeds, hidden, positions, cache: KVCache, local_mask=None, offset=0, backend="xla"):
         embeds = jnp.where((positions == 0)[..., None], 0, embeds)
         x = self.input_proj(jnp.concatenate([self.hidden_layernorm(hidden.astype(embeds.dtype)), self.token_layernorm(embeds)], -1))
-        y, cache = self.layer(x, positions, jnp.asarray(rope_inv_freq(self.cfg)), cache, 0, local_mask, offset, "xla")
+        y, cache = self.layer(x, positions, jnp.asarray(rope_inv_freq(self.cfg)), cache, 0, local_mask, offset, backend)
         out = self.final_layernorm(y)
         return out, out, cache
 
