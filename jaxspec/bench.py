@@ -74,14 +74,15 @@ def _measure(eng, ids, bs, sp):
 def run_sweep(args) -> list[dict]:
     from jaxspec.engine import Engine
     from jaxspec.loader import load
+    from jaxspec.sharding import make_mesh
 
     try:
         questions = mtbench_first_turns(args.prompts)
     except JaxspecError:
         questions = (FALLBACK_PROMPTS * args.prompts)[: args.prompts]
-    base = dict(dtype=args.dtype, context_length=args.context_length, chunked_prefill_size=args.chunked_prefill_size,
+    base = dict(dtype=args.dtype, context_length=args.context_length, chunked_prefill_size=args.chunked_prefill_size, tp_size=args.tp_size,
                 attention_backend=args.attention_backend, random_seed=args.random_seed, log_level=args.log_level, show_progress=False)
-    loaded = load(args.model_path, args.dtype, args.tokenizer_path, progress=True)
+    loaded = load(args.model_path, args.dtype, args.tokenizer_path, progress=True, mesh=make_mesh(args.tp_size))
     plain = Engine(_loaded=loaded, max_running_requests=max(args.batch_size), speculative_algorithm="NONE", **base)
     ids = [plain._encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in questions]
     sp = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens}

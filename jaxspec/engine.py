@@ -33,6 +33,7 @@ from jaxspec.decode import LENGTH, STOPPED, decode, prefill_chunk
 from jaxspec.errors import JaxspecError
 from jaxspec.loader import LoadedModel, jnp_dtype, load
 from jaxspec.sampling import SamplingParams, SamplingTensors
+from jaxspec.sharding import check_heads, kv_sharding, make_mesh, replicate, shard_params
 
 logger = logging.getLogger("jaxspec")
 
@@ -53,6 +54,7 @@ class Engine:
         chunked_prefill_size: int = 512,
         attention_backend: str | None = None,
         random_seed: int = 0,
+        tp_size: int = 1,
         speculative_algorithm: str | None = None,
         speculative_draft_model_path: str | None = None,
         speculative_num_steps: int | None = None,
@@ -92,19 +94,29 @@ class Engine:
         algo = None if speculative_algorithm is None else str(speculative_algorithm).upper().replace("NEXTN", "EAGLE")
         early = (algo, "<from the target>", None) if algo in ("EAGLE", "EAGLE3") else None
         SpecConfig.resolve(speculative_algorithm, None, warn=False, bundled=early, **spec_args)
+        backend_chosen = attention_backend is not None
         try:
             attention_backend = resolve_backend(attention_backend)
         except ValueError as e:
             raise JaxspecError(str(e)) from None
         if max_running_requests < 1 or chunked_prefill_size < 1:
             raise JaxspecError("max_running_requests and chunked_prefill_size must be >= 1")
+        self.tp_size = tp_size
+        self.mesh = make_mesh(tp_size)  # None for tp_size 1
         if _loaded is None:
-            _loaded = load(model_path, dtype, tokenizer_path, progress=show_progress, with_tokenizer=not skip_tokenizer_init)
+            _loaded = load(model_path, dtype, tokenizer_path, progress=show_progress, with_tokenizer=not skip_tokenizer_init, mesh=self.mesh)
         self.loaded = _loaded
         self.cfg = _loaded.cfg
         self.tokenizer = _loaded.tokenizer
         self.dtype = jnp_dtype(dtype)
         self.graphdef, self.params = nnx.split(_loaded.model)
+        check_heads(self.cfg, tp_size)
+        self.kv_sharding = kv_sharding(self.mesh)
+        self.params = shard_params(self.params, self.mesh)
+        if self.mesh is not None and attention_backend == "pallas":  # its kernels are not partitioned over devices yet
+            if backend_chosen:
+                logger.warning("the pallas attention backend does not support tp_size > 1 yet; using xla")
+            attention_backend = "xla"
         self.context_length = int(context_length or self.cfg.max_position_embeddings)
         if self.context_length < 2:
             raise JaxspecError(f"context_length must be >= 2, got {self.context_length}")
@@ -120,6 +132,7 @@ class Engine:
 
             self.proposer, self.dparams = load_proposer(self.spec, _loaded, dtype, show_progress)
             self.proposer = dataclasses.replace(self.proposer, attention_backend=attention_backend)
+            self.dparams = replicate(self.dparams, self.mesh)
         self._corpus = None
         if self.spec.algorithm == "NGRAM":
             self.reset_ngram_corpus()
@@ -256,8 +269,8 @@ class Engine:
         max_new_d = jnp.asarray(max_new + [0] * pad, jnp.int32)
         prompt_d = jnp.asarray(prompt)
 
-        cache = KVCache.create(self.cfg, b, s_len, self.dtype)
-        last_h = jnp.zeros((b, self.cfg.hidden_size), self.dtype)
+        cache = KVCache.create(self.cfg, b, s_len, self.dtype, self.kv_sharding)
+        last_h = replicate(jnp.zeros((b, self.cfg.hidden_size), self.dtype), self.mesh)
         if spec_on:
             out, num_out, finish, verify_ct, hist = self._spec_batch(cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks)
         else:
@@ -282,12 +295,12 @@ class Engine:
         from jaxspec.spec.loop import spec_decode, spec_prefill_chunk
 
         prop, b = self.proposer, prompt.shape[0]
-        dcache = prop.make_cache(b, cache.max_len, self.dtype)
+        dcache = replicate(prop.make_cache(b, cache.max_len, self.dtype), self.mesh)
         shifted = np.zeros_like(prompt)
         shifted[:, : prompt.shape[1] - prop.shift] = prompt[:, prop.shift :]
         dprompt = jnp.asarray(shifted)
         feat_dim = (3 if prop.capture_layers else 1) * self.cfg.hidden_size if prop.uses_hidden else 1
-        last_feat = jnp.zeros((b, feat_dim), self.dtype)
+        last_feat = replicate(jnp.zeros((b, feat_dim), self.dtype), self.mesh)
         for c in range(n_chunks):
             sl = slice(c * chunk, (c + 1) * chunk)
             cache, dcache, last_h, last_feat = spec_prefill_chunk(

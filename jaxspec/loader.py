@@ -39,14 +39,19 @@ def resolve_model_path(model_path: str | None, progress: bool = True) -> str:
     return model_path
 
 
-def load(model_path: str | None, dtype: str = "float32", tokenizer_path: str | None = None, progress: bool = True, with_tokenizer: bool = True) -> LoadedModel:
+def load(model_path: str | None, dtype: str = "float32", tokenizer_path: str | None = None, progress: bool = True, with_tokenizer: bool = True,
+         mesh=None) -> LoadedModel:
+    """mesh: a tensor-parallel mesh (jaxspec/sharding.py): each weight goes straight to its shards."""
     from convert.sources import _hf_tokenizer, open_source
     from jaxspec.models.params import load_model
+    from jaxspec.sharding import check_heads, placer
 
     path = resolve_model_path(model_path, progress)
     src = open_source(path)
     cfg = ModelConfig.from_hf(src.config)
-    model = load_model(cfg, src.names, src.get, jnp_dtype(dtype), progress, desc=f"loading {os.path.basename(path.rstrip('/'))}")
+    if mesh is not None:
+        check_heads(cfg, mesh.size)
+    model = load_model(cfg, src.names, src.get, jnp_dtype(dtype), progress, desc=f"loading {os.path.basename(path.rstrip('/'))}", place=placer(mesh))
     if not with_tokenizer:
         return LoadedModel(cfg, model, None, path, src.kind)
     tokenizer = _hf_tokenizer(tokenizer_path) if tokenizer_path else src.load_tokenizer()

@@ -24,6 +24,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxspec.cache import KVCache
 from jaxspec.decode import LENGTH, RUNNING, STOPPED, DecodeState, decode_step, target_prefill
@@ -59,13 +61,16 @@ class SlotBatch:
     plain: jax.Array  # [B] bool: decode this slot without speculation
     last_h: jax.Array  # [B, H] prefill carry: target hidden of the last prompt token
     last_feat: jax.Array  # [B, F] prefill carry: the draft's feature of it ([B, 1] when unused)
+    kv_sharding: object = dataclasses.field(default=None, metadata=dict(static=True))  # NamedSharding of the target's KV buffers; None = one device
 
     @classmethod
-    def create(cls, cfg, prop, slots: int, max_len: int, window: int, num_stop: int, dtype, num_steps: int = 0) -> "SlotBatch":
+    def create(cls, cfg, prop, slots: int, max_len: int, window: int, num_stop: int, dtype, num_steps: int = 0,
+               kv_sharding=None) -> "SlotBatch":
         """Empty slots. max_len: KV columns per slot (context + the round's scratch region);
-        window: tokens one dispatch can emit per slot; num_stop: stop-token columns."""
+        window: tokens one dispatch can emit per slot; num_stop: stop-token columns;
+        kv_sharding: where the target's KV buffers live (jaxspec/sharding.py)."""
         b, v = slots, cfg.vocab_size
-        cache = KVCache.create(cfg, b, max_len, dtype)
+        cache = KVCache.create(cfg, b, max_len, dtype, kv_sharding)
         zi = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
         common = dict(out=zi(b, window), num_out=zi(b), done=jnp.ones((b,), bool), finish=zi(b), last=zi(b), cache=cache, base=zi(b))
         if prop is None:
@@ -78,7 +83,21 @@ class SlotBatch:
             feat = (3 if prop.capture_layers else 1) * cfg.hidden_size if prop.uses_hidden else 1
         st = SamplingTensors.build_default(b)
         return cls(core, st, zi(b), jnp.full((b, num_stop), -1, jnp.int32), jnp.zeros((b,), bool),
-                   jnp.zeros((b, cfg.hidden_size), dtype), jnp.zeros((b, feat), dtype))
+                   jnp.zeros((b, cfg.hidden_size), dtype), jnp.zeros((b, feat), dtype), kv_sharding).placed(jax.device_put)
+
+    def placed(self, put) -> "SlotBatch":
+        """Tensor parallel (kv_sharding set): this batch with the target's KV buffers at kv_sharding and
+        every other array replicated, by put(tree, sharding): jax.device_put at creation,
+        jax.lax.with_sharding_constraint at the end of each program, so that every dispatch sees the
+        same input shardings (the partitioner would otherwise leave e.g. counts split on the vocab,
+        and the next call would recompile)."""
+        if self.kv_sharding is None:
+            return self
+        rep = NamedSharding(self.kv_sharding.mesh, P())
+        c = self.core.cache
+        rest = put(dataclasses.replace(self, core=dataclasses.replace(self.core, cache=None)), rep)
+        cache = dataclasses.replace(c, k=put(c.k, self.kv_sharding), v=put(c.v, self.kv_sharding), lengths=put(c.lengths, rep))
+        return dataclasses.replace(rest, core=dataclasses.replace(rest.core, cache=cache))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "prop", "span", "backend"), donate_argnames=("batch",))
@@ -100,7 +119,8 @@ def admit_chunk(graphdef, params, prop, dparams, batch: SlotBatch, rows, tokens,
                                                         last_h, last_feat, backend)
         core = dataclasses.replace(core, draft=dataclasses.replace(core.draft, cache=put_rows(core.draft.cache, rows, dcache)))
     core = dataclasses.replace(core, cache=core.cache.unview(cache))
-    return dataclasses.replace(batch, core=core, last_h=batch.last_h.at[rows].set(last_h), last_feat=batch.last_feat.at[rows].set(last_feat))
+    batch = dataclasses.replace(batch, core=core, last_h=batch.last_h.at[rows].set(last_h), last_feat=batch.last_feat.at[rows].set(last_feat))
+    return batch.placed(jax.lax.with_sharding_constraint)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "prop", "span", "backend"), donate_argnames=("batch",))
@@ -133,7 +153,7 @@ def admit_finish(graphdef, params, prop, dparams, batch: SlotBatch, rows, st: Sa
         batch, core=core, st=put_rows(batch.st, rows, st), max_new=batch.max_new.at[rows].set(max_new),
         stop_ids=batch.stop_ids.at[rows].set(stop_ids), plain=batch.plain.at[rows].set(plain),
     )
-    return batch, first
+    return batch.placed(jax.lax.with_sharding_constraint), first
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "prop", "spec", "k", "n_act", "span", "backend"), donate_argnames=("batch",))
@@ -159,4 +179,4 @@ def dispatch(graphdef, params, prop, dparams, spec, batch: SlotBatch, kill, k: i
         extra = (core.num_out, jnp.zeros((n_act, 1), jnp.int32))
     else:
         extra = (core.verify_ct, core.hist)
-    return batch, (core.out, core.num_out - core.base, core.done, core.finish) + extra
+    return batch.placed(jax.lax.with_sharding_constraint), (core.out, core.num_out - core.base, core.done, core.finish) + extra

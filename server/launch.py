@@ -51,7 +51,7 @@ def build(args, progress: bool = True):
     eng = Engine(model_path=args.model_path, tokenizer_path=args.tokenizer_path, dtype=args.dtype, context_length=args.context_length,
                  max_running_requests=args.max_running_requests or 8, chunked_prefill_size=args.chunked_prefill_size,
                  attention_backend=args.attention_backend, random_seed=args.random_seed, log_level=args.log_level,
-                 show_progress=progress, **spec)
+                 show_progress=progress, tp_size=args.tp_size, **spec)
     sched = Scheduler(eng, args.max_running_requests, args.mem_fraction_static, args.max_queued_requests,
                       args.num_continuous_decode_steps, overlap=not args.disable_overlap_schedule)
     if not args.disable_cuda_graph:

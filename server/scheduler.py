@@ -99,10 +99,11 @@ def memory_budget() -> tuple[int, str]:
 
 
 def _nbytes(tree) -> int:
+    """Bytes one device holds of the arrays (or shapes) in tree."""
     def size(x):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return int(np.prod(x.shape)) * 8
-        return int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+        s = getattr(x, "sharding", None)
+        n = int(np.prod(x.shape if s is None else s.shard_shape(x.shape)))
+        return n * (8 if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.dtype(x.dtype).itemsize)
 
     return sum(size(x) for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "shape"))
 
@@ -129,7 +130,8 @@ class Scheduler:
         self.overlap = overlap
         self.max_queued = max_queued_requests
         self.slots = self._plan_memory(max_running_requests, mem_fraction_static, gpu)
-        self.batch = SlotBatch.create(eng.cfg, self.prop, self.slots, self.max_len, self.window, self.num_stop, eng.dtype, steps)
+        self.batch = SlotBatch.create(eng.cfg, self.prop, self.slots, self.max_len, self.window, self.num_stop, eng.dtype, steps,
+                                      eng.kv_sharding)
         self.busy: dict[int, Request] = {}  # slot -> request (prefilling or decoding)
         self._prefilling: collections.deque = collections.deque()  # admission groups with prompt chunks left
         self.waiting: collections.deque[Request] = collections.deque()
@@ -150,13 +152,14 @@ class Scheduler:
             raise JaxspecError(f"--mem-fraction-static must be in (0, 1], got {fraction}")
         steps = self.spec.num_steps if self.spec else 0
         one = jax.eval_shape(lambda: SlotBatch.create(self.eng.cfg, self.prop, 1, self.max_len, self.window, self.num_stop, self.eng.dtype, steps))
-        per_slot = _nbytes(one)
+        kv = _nbytes((one.core.cache.k, one.core.cache.v))
+        per_slot = _nbytes(one) - kv + kv // self.eng.tp_size  # eval_shape drops shardings; the target's KV is split tp ways
         weights = _nbytes(self.eng.params) + (_nbytes(self.eng.dparams) if self.spec else 0)
         total, where = memory_budget()
         budget = int(total * fraction) - weights
         fits = budget // per_slot if budget > 0 else 0
         gib = lambda x: f"{x / 2**30:.2f} GiB"  # noqa: E731
-        plan = (f"{where} {gib(total)} x mem_fraction_static {fraction} = {gib(total * fraction)}; weights (target + draft) "
+        plan = (f"per device: {where} {gib(total)} x mem_fraction_static {fraction} = {gib(total * fraction)}; weights (target + draft) "
                 f"{gib(weights)}; one request slot (KV cache for context_length {self.context_length} + draft state) {gib(per_slot)}")
         if fits < 1:
             raise JaxspecError(

@@ -1,0 +1,111 @@
+"""Tensor parallelism through JAX's SPMD partitioner: a 1-D ("tp",) device mesh and the
+PartitionSpec of every target parameter and of the KV cache (Megatron layout).
+
+Linear kernels are [in, out] (models/llama.py):
+  q_proj, k_proj, v_proj, gate_proj, up_proj   column split  kernel P(None, "tp"), bias P("tp")
+  o_proj, down_proj                            row split     kernel P("tp", None), bias replicated
+  embed_tokens [V, H]                          vocab split   P("tp", None)
+  lm_head kernel [H, V]                        vocab split   P(None, "tp")
+  norms                                        replicated
+  KV cache k, v: L x [B, S, Hkv, D]            KV-head split P(None, None, "tp")
+Each device holds num_heads / tp query heads and the num_kv_heads / tp KV heads they read (GQA
+groups stay whole). A split dimension that tp does not divide (vocab, intermediate size) stays
+replicated. Drafts (EAGLE heads, STANDALONE models) and their caches are replicated.
+The target's weights go straight from the checkpoint to their shards (loader.load(mesh=...)).
+
+Nothing else changes: params and caches are placed on the mesh, the same jitted programs run over
+them, and XLA's partitioner inserts the collectives (all-reduce after o_proj / down_proj, vocab
+gathers), so a speculative round stays one compiled program.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxspec.config import ModelConfig
+from jaxspec.errors import JaxspecError
+
+AXIS = "tp"
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW = ("o_proj", "down_proj")
+KV_SPEC = P(None, None, AXIS)  # no trailing None: how jit spells the caches it returns, so passing them back matches
+
+
+def make_mesh(tp_size: int) -> Mesh | None:
+    """The ("tp",) mesh over the first tp_size devices; None for tp_size 1 (no mesh at all)."""
+    n = len(jax.devices())
+    if tp_size < 1 or tp_size > n:
+        raise JaxspecError(f"tp_size must be in 1..{n} (the number of {jax.devices()[0].platform} devices), got {tp_size}")
+    if tp_size == 1:
+        return None
+    return jax.make_mesh((tp_size,), (AXIS,), axis_types=(AxisType.Auto,), devices=jax.devices()[:tp_size])
+
+
+def check_heads(cfg: ModelConfig, tp_size: int) -> None:
+    """Each device must hold whole query heads and whole KV heads."""
+    for name, heads in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads)):
+        if heads % tp_size:
+            raise JaxspecError(f"tp_size {tp_size} must divide the model's {name} ({heads})")
+
+
+def param_spec(path: tuple, shape: tuple, tp: int) -> P:
+    """PartitionSpec of the target parameter at NNX `path` (e.g. ("layers", 0, "mlp", "up_proj", "kernel"))."""
+    name, parent = str(path[-1]), str(path[-2]) if len(path) > 1 else ""
+    if name == "embed_tokens":
+        spec = (AXIS, None)
+    elif parent == "lm_head" or (parent in COLUMN and name == "kernel"):
+        spec = (None, AXIS)
+    elif parent in COLUMN:  # bias [out]
+        spec = (AXIS,)
+    elif parent in ROW and name == "kernel":
+        spec = (AXIS, None)
+    else:
+        return P()
+    if any(a == AXIS and d % tp for a, d in zip(spec, shape)):
+        return P()
+    return P(*spec)
+
+
+def placer(mesh: Mesh | None):
+    """place(path, array) -> the target parameter on `mesh` split by `param_spec` (None without a
+    mesh). Loaders call it per tensor, so that no device ever holds the whole model."""
+    if mesh is None:
+        return None
+    return lambda path, x: jax.device_put(x, NamedSharding(mesh, param_spec(path, x.shape, mesh.shape[AXIS])))
+
+
+def shard_params(state: nnx.State, mesh: Mesh | None) -> nnx.State:
+    """The target's parameter state placed on `mesh` (unchanged without a mesh; parameters that a
+    loader already placed do not move)."""
+    if mesh is None:
+        return state
+    place = placer(mesh)
+    return nnx.from_flat_state([(p, v.replace(place(p, v[...]))) for p, v in nnx.to_flat_state(state)])
+
+
+def replicate(tree, mesh: Mesh | None):
+    """Every array of `tree` (draft params and caches, carried state) copied to every device of
+    `mesh` (unchanged without a mesh). Inputs that a program returns and takes again start out
+    replicated, as it returns them, so that the second call does not compile another program."""
+    return tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+def kv_sharding(mesh: Mesh | None) -> NamedSharding | None:
+    """Where KV buffers [B, S, Hkv, D] live: split on the KV-head axis (None without a mesh)."""
+    return None if mesh is None else NamedSharding(mesh, KV_SPEC)
+
+
+def init_distributed(addr: str | None, nnodes: int, node_rank: int) -> None:
+    """Multi-host start-up (`--dist-init-addr HOST:PORT --nnodes N --node-rank R`, SGLang's flags):
+    joins the N processes through jax.distributed; afterwards jax.devices() lists every host's
+    devices and one mesh spans them. Must run before any other JAX call; nothing for nnodes 1."""
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise JaxspecError(f"need nnodes >= 1 and 0 <= node_rank < nnodes, got nnodes={nnodes}, node_rank={node_rank}")
+    if nnodes == 1:
+        return
+    if not addr:
+        raise JaxspecError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, reachable from every host)")
+    jax.distributed.initialize(coordinator_address=addr, num_processes=nnodes, process_id=node_rank)
