@@ -18,6 +18,11 @@ Backends:
             not a power of two, cache length not a multiple of 16) fall back to "xla" with a warning.
 `default_backend()` picks "pallas" on a GPU whose kernels pass a start-up self-check (compiled and
 compared with the reference on small shapes), and "xla" elsewhere or if the check fails (logged).
+
+Tensor parallel (`kv_sharding`: the cache is split on its KV-head axis, jaxspec/sharding.py): XLA
+cannot partition a Pallas call, so the kernels run under `jax.shard_map`, each device on its own
+query and KV heads (GQA groups never straddle devices). The xla backend needs nothing: the
+partitioner splits the einsums itself.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import decode_attention as _decode
 from pallas_kernels import tree_attention as _tree
@@ -74,23 +80,37 @@ def resolve_backend(backend: str | None) -> str:
     return backend
 
 
-def attention(q, k, v, prefix_len, local_mask=None, sliding_window=None, offset=0, backend: str = "xla"):
-    """q: [B, T, H, D]; k, v: [B, S, Hkv, D]; prefix_len: [B] int32; local_mask: [B, T, W] bool or None.
+def attention(q, k, v, prefix_len, local_mask=None, sliding_window=None, offset=0, backend: str = "xla", kv_sharding=None):
+    """q: [B, T, H, D]; k, v: [B, S, Hkv, D]; prefix_len: [B] int32; local_mask: [B, T, W] bool or None;
+    kv_sharding: the NamedSharding of k and v when they are split over devices (None: one device).
     Returns [B, T, H, D] in q.dtype."""
     if backend == "pallas":
         reason = _tree.supported(q, k)
         if reason is None:
-            interpret = jax.default_backend() != "gpu"
-            if q.shape[1] == 1 and local_mask is None:
-                out = _decode.decode_attention(q[:, 0], k, v, prefix_len + offset + 1, sliding_window=sliding_window,
-                                               interpret=interpret)
-                return out[:, None]
-            return _tree.tree_attention(q, k, v, prefix_len, local_mask, offset=offset, sliding_window=sliding_window,
-                                        interpret=interpret)
+            if kv_sharding is None:
+                return _pallas(q, k, v, prefix_len, offset, local_mask, sliding_window=sliding_window)
+            return _pallas_sharded(kv_sharding, q, k, v, prefix_len, offset, local_mask, sliding_window)
         _warn_fallback(reason)
     elif backend != "xla":
         raise ValueError(f"unknown attention backend {backend!r}; available: {', '.join(BACKENDS)}")
     return attention_reference(q, k, v, prefix_len, local_mask, offset=offset, sliding_window=sliding_window)
+
+
+def _pallas(q, k, v, prefix_len, offset, local_mask=None, *, sliding_window):
+    interpret = jax.default_backend() != "gpu"
+    if q.shape[1] == 1 and local_mask is None:
+        out = _decode.decode_attention(q[:, 0], k, v, prefix_len + offset + 1, sliding_window=sliding_window, interpret=interpret)
+        return out[:, None]
+    return _tree.tree_attention(q, k, v, prefix_len, local_mask, offset=offset, sliding_window=sliding_window, interpret=interpret)
+
+
+def _pallas_sharded(kv_sharding, q, k, v, prefix_len, offset, local_mask, sliding_window):
+    """The kernels per device on its heads: q [B, T, H, D] and k, v split on axis 2 as kv_sharding says."""
+    heads = P(None, None, kv_sharding.spec[2])
+    args = [q, k, v, prefix_len, jnp.asarray(offset, jnp.int32)] + ([] if local_mask is None else [local_mask])
+    specs = (heads, heads, heads, P(), P()) + (() if local_mask is None else (P(),))
+    body = functools.partial(_pallas, sliding_window=sliding_window)
+    return jax.shard_map(body, mesh=kv_sharding.mesh, in_specs=specs, out_specs=heads, check_vma=False)(*args)
 
 
 @functools.cache

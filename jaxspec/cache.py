@@ -36,6 +36,7 @@ class KVCache:
     rows: jax.Array | None = None  # [n] int32 slots of a view; None = all slots
     span: int | None = dataclasses.field(default=None, metadata=dict(static=True))  # columns attention reads
     prefix: bool = dataclasses.field(default=False, metadata=dict(static=True))  # rows == arange(n): read by slicing
+    sharding: object = dataclasses.field(default=None, metadata=dict(static=True))  # NamedSharding of k, v (tensor parallel) or None
 
     @classmethod
     def create(cls, cfg: ModelConfig, batch: int, max_len: int, dtype, sharding=None) -> "KVCache":
@@ -44,7 +45,7 @@ class KVCache:
         shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
         z = lambda: tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(cfg.num_layers))  # noqa: E731
         lengths = jnp.zeros((batch,), jnp.int32, device=None if sharding is None else NamedSharding(sharding.mesh, P()))
-        return cls(z(), z(), lengths)
+        return cls(z(), z(), lengths, sharding=sharding)
 
     @property
     def max_len(self) -> int:

@@ -94,7 +94,6 @@ class Engine:
         algo = None if speculative_algorithm is None else str(speculative_algorithm).upper().replace("NEXTN", "EAGLE")
         early = (algo, "<from the target>", None) if algo in ("EAGLE", "EAGLE3") else None
         SpecConfig.resolve(speculative_algorithm, None, warn=False, bundled=early, **spec_args)
-        backend_chosen = attention_backend is not None
         try:
             attention_backend = resolve_backend(attention_backend)
         except ValueError as e:
@@ -113,10 +112,6 @@ class Engine:
         check_heads(self.cfg, tp_size)
         self.kv_sharding = kv_sharding(self.mesh)
         self.params = shard_params(self.params, self.mesh)
-        if self.mesh is not None and attention_backend == "pallas":  # its kernels are not partitioned over devices yet
-            if backend_chosen:
-                logger.warning("the pallas attention backend does not support tp_size > 1 yet; using xla")
-            attention_backend = "xla"
         self.context_length = int(context_length or self.cfg.max_position_embeddings)
         if self.context_length < 2:
             raise JaxspecError(f"context_length must be >= 2, got {self.context_length}")

@@ -186,8 +186,9 @@ def tree_attention(q, k, v, kv_len, local_mask=None, *, offset=0, sliding_window
     s, hkv = k.shape[1], k.shape[2]
     group = h // hkv
     scale = d**-0.5 if scale is None else scale
+    if s % 16 or (block_k and s % block_k):
+        raise ValueError(f"the cache length {s} must be a multiple of 16 and of block_k ({block_k})")
     block_k = block_k or next(c for c in (64, 32, 16) if s % c == 0)
-    assert s % block_k == 0, (s, block_k)
     rows = t * group
     block_r = block_r or min(64, max(16, _pow2(rows)))
     r_pad = pl.cdiv(rows, block_r) * block_r

@@ -49,6 +49,11 @@ def tiny(tmp_path_factory) -> dict:
     tgt.save_pretrained(d / "target")
     make_hf_model("llama", 5, vocab_size=V, num_hidden_layers=1, initializer_range=0.3).save_pretrained(d / "small")
     save_eagle_head(d / "eagle3", "EAGLE3", tgt.config.to_dict(), seed=2, draft_vocab=12, scale=10.0, aux_layer_ids=[0, 1, 2])
+    # head_dim 16 (the kernels need a power of two >= 16): the pallas backend per device
+    t16 = make_hf_model("llama", 4, vocab_size=V, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, initializer_range=0.3)
+    t16.save_pretrained(d / "target16")
+    save_eagle_head(d / "eagle3_16", "EAGLE3", t16.config.to_dict(), seed=2, draft_vocab=12, scale=10.0, aux_layer_ids=[0, 1, 2])
     return {**result(child("tiny", str(d))), "dir": str(d)}
 
 
@@ -102,8 +107,12 @@ def test_bad_tp_sizes_are_clear_errors(tiny):
     assert "tp_size must be in 1..4" in tiny["errors"]["5"]
 
 
-def test_pallas_falls_back_to_xla(tiny):
-    assert tiny["pallas_backend_at_tp2"] == "xla"  # its kernels are not partitioned over devices yet
+def test_pallas_kernels_run_per_device(tiny):
+    """--attention-backend pallas at tp = 2: the kernels run under shard_map on each device's heads
+    (interpret mode on CPU), for the target and the replicated EAGLE-3 draft, and give the xla tokens."""
+    p = tiny["pallas"]
+    assert p["NONE/pallas/2"] == p["NONE/xla/1"] and p["EAGLE3/pallas/2"] == p["NONE/xla/1"]
+    assert p["fallbacks"] == 0  # no shape fell back to xla
 
 
 def test_cli_flags():
@@ -200,7 +209,16 @@ def _tiny_checks(d: str) -> dict:
     k = sched.batch.core.cache.k[0]
     res["server_kv"] = [list(k.shape), list(k.sharding.shard_shape(k.shape))]
 
-    res["pallas_backend_at_tp2"] = engine("NONE", 2, attention_backend="pallas").backend
+    from jaxspec import attention
+
+    res["pallas"] = {}
+    for algo, backend, tp in [("NONE", "xla", 1), ("NONE", "pallas", 2), ("EAGLE3", "pallas", 2)]:
+        eng = Engine(f"{d}/target16", skip_tokenizer_init=True, show_progress=False, chunked_prefill_size=4, tp_size=tp,
+                     attention_backend=backend, speculative_algorithm=algo,
+                     **(dict(speculative_draft_model_path=f"{d}/eagle3_16", **KNOBS) if algo == "EAGLE3" else {}))
+        assert eng.backend == backend
+        res["pallas"][f"{algo}/{backend}/{tp}"] = [o["output_ids"] for o in eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    res["pallas"]["fallbacks"] = attention._warn_fallback.cache_info().currsize
     for tp in (3, 5):
         try:
             engine("NONE", tp)

@@ -70,7 +70,7 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         cache = cache.write(layer, k, v, cache.lengths + offset)
-        o = attention(q, *cache.read(layer), cache.lengths, local_mask, cfg.sliding_window, offset, backend)
+        o = attention(q, *cache.read(layer), cache.lengths, local_mask, cfg.sliding_window, offset, backend, cache.sharding)
         return self.o_proj(o.reshape(b, t, cfg.num_heads * cfg.head_dim)), cache
 
 
