@@ -61,7 +61,6 @@ class SlotBatch:
     plain: jax.Array  # [B] bool: decode this slot without speculation
     last_h: jax.Array  # [B, H] prefill carry: target hidden of the last prompt token
     last_feat: jax.Array  # [B, F] prefill carry: the draft's feature of it ([B, 1] when unused)
-    kv_sharding: object = dataclasses.field(default=None, metadata=dict(static=True))  # NamedSharding of the target's KV buffers; None = one device
 
     @classmethod
     def create(cls, cfg, prop, slots: int, max_len: int, window: int, num_stop: int, dtype, num_steps: int = 0,
@@ -83,20 +82,20 @@ class SlotBatch:
             feat = (3 if prop.capture_layers else 1) * cfg.hidden_size if prop.uses_hidden else 1
         st = SamplingTensors.build_default(b)
         return cls(core, st, zi(b), jnp.full((b, num_stop), -1, jnp.int32), jnp.zeros((b,), bool),
-                   jnp.zeros((b, cfg.hidden_size), dtype), jnp.zeros((b, feat), dtype), kv_sharding).placed(jax.device_put)
+                   jnp.zeros((b, cfg.hidden_size), dtype), jnp.zeros((b, feat), dtype)).placed(jax.device_put)
 
     def placed(self, put) -> "SlotBatch":
-        """Tensor parallel (kv_sharding set): this batch with the target's KV buffers at kv_sharding and
-        every other array replicated, by put(tree, sharding): jax.device_put at creation,
+        """Tensor parallel (the target's cache has a sharding): this batch with the target's KV buffers
+        at that sharding and every other array replicated, by put(tree, sharding): jax.device_put at creation,
         jax.lax.with_sharding_constraint at the end of each program, so that every dispatch sees the
         same input shardings (the partitioner would otherwise leave e.g. counts split on the vocab,
         and the next call would recompile)."""
-        if self.kv_sharding is None:
-            return self
-        rep = NamedSharding(self.kv_sharding.mesh, P())
         c = self.core.cache
+        if c.sharding is None:
+            return self
+        rep = NamedSharding(c.sharding.mesh, P())
         rest = put(dataclasses.replace(self, core=dataclasses.replace(self.core, cache=None)), rep)
-        cache = dataclasses.replace(c, k=put(c.k, self.kv_sharding), v=put(c.v, self.kv_sharding), lengths=put(c.lengths, rep))
+        cache = dataclasses.replace(c, k=put(c.k, c.sharding), v=put(c.v, c.sharding), lengths=put(c.lengths, rep))
         return dataclasses.replace(rest, core=dataclasses.replace(rest.core, cache=cache))
 
 
