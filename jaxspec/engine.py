@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxspec import compile_cache
 from jaxspec.attention import resolve_backend
 from jaxspec.cache import KVCache
 from jaxspec.config import SpecConfig
@@ -79,6 +80,7 @@ class Engine:
     ):
         logging.basicConfig(level=log_level.upper())
         logger.setLevel(log_level.upper())
+        compile_cache.enable()
         spec_args = dict(
             draft_model_path=speculative_draft_model_path, num_steps=speculative_num_steps, eagle_topk=speculative_eagle_topk,
             num_draft_tokens=speculative_num_draft_tokens, accept_threshold_single=speculative_accept_threshold_single,

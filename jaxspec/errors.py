@@ -2,7 +2,7 @@
 
 A `JaxspecError` is a mistake the user can fix (bad path, unsupported architecture, corrupt
 weights, invalid sampling parameter). The CLI prints it as one line and exits non-zero; the
-server (issue 5) turns it into an OpenAI-style 400. Anything else is a bug and keeps its traceback.
+server turns it into an OpenAI-style 400. Anything else is a bug and keeps its traceback.
 """
 
 

@@ -1,6 +1,6 @@
 """Sampling: per-request parameters, their device form, penalties and the token sampler.
 
-The same `sample` is used by plain decoding and (issue 2) by speculative verification, so both
+The same `sample` is used by plain decoding and by speculative verification, so both
 see identical target distributions. All parameters are per-slot arrays: one compiled program
 serves any mix of greedy and sampled requests.
 
@@ -10,33 +10,53 @@ Order (SGLang): penalties -> temperature -> top-k -> top-p -> min-p -> draw. tem
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+from typing import Annotated, Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
 from jaxspec.errors import JaxspecError
 
 GREEDY_EPS = 1e-6
 
 
+INT32_MAX = 2**31 - 1
+MAX_STOP_STRINGS = 32  # per request
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 64  # before the per-engine limit (the server keeps a few stop-id columns per slot)
+
+
+def _num(**bounds):
+    """A finite float (no NaN / Infinity) within bounds (pydantic Field keywords)."""
+    return Annotated[float, Field(allow_inf_nan=False, **bounds)]
+
+
+_StopStr = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+
+
 @dataclasses.dataclass
 class SamplingParams:
-    """Per-request parameters, named as in SGLang's `sampling_params` dict."""
+    """Per-request parameters, named as in SGLang's `sampling_params` dict.
 
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 = off
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
+    The annotations are the schema: `from_dict` / `validate` check types and ranges with pydantic,
+    and the server publishes the same schema in /openapi.json. Ranges are SGLang's and OpenAI's."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
+    max_new_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 128
+    temperature: _num(ge=0) = 1.0
+    top_p: _num(gt=0, le=1) = 1.0
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX, description="-1 = off; otherwise >= 1")] = -1
+    min_p: _num(ge=0, le=1) = 0.0
+    frequency_penalty: _num(ge=-2, le=2) = 0.0
+    presence_penalty: _num(ge=-2, le=2) = 0.0
+    repetition_penalty: _num(gt=0, le=2) = 1.0
+    stop: _StopStr | Annotated[list[_StopStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1, description="any 64-bit integer (signed or unsigned)")] | None = None
     skip_special_tokens: bool = True
 
     ALIASES = {"sampling_seed": "seed", "max_tokens": "max_new_tokens"}
@@ -44,11 +64,13 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict[str, Any] | "SamplingParams" | None) -> "SamplingParams":
         if isinstance(d, SamplingParams):
+            d.validate()
             return d
-        d = dict(d or {})
+        if d is not None and not isinstance(d, dict):
+            raise JaxspecError(f"sampling parameters must be a dict, got {type(d).__name__}")
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {}
-        for k, v in d.items():
+        for k, v in (d or {}).items():
             k = cls.ALIASES.get(k, k)
             if k == "n":
                 if v not in (None, 1):
@@ -58,38 +80,44 @@ class SamplingParams:
                 raise JaxspecError(f"unknown sampling parameter {k!r}; known: {', '.join(sorted(fields))}")
             if v is not None:
                 kw[k] = v
-        p = cls(**kw)
-        p.validate()
-        return p
+        return _checked(kw)
 
     def validate(self) -> None:
-        def bad(msg):
-            raise JaxspecError(f"invalid sampling parameter: {msg}")
-
-        if not isinstance(self.max_new_tokens, (int, np.integer)) or self.max_new_tokens < 0:
-            bad(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            bad(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (self.top_k == -1 or self.top_k >= 1):
-            bad(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if not -2 <= self.frequency_penalty <= 2:
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if not -2 <= self.presence_penalty <= 2:
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not 0 < self.repetition_penalty <= 2:
-            bad(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        if self.seed is not None and not isinstance(self.seed, (int, np.integer)):
-            bad(f"seed must be an integer, got {self.seed!r}")
+        """Raises JaxspecError naming the first bad field (types, ranges)."""
+        _checked({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     @property
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+@functools.cache
+def sampling_params_schema() -> TypeAdapter:
+    """The pydantic validator (and JSON schema) of SamplingParams."""
+    return TypeAdapter(SamplingParams)
+
+
+def _checked(kw: dict) -> SamplingParams:
+    try:
+        p = sampling_params_schema().validate_python(kw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        got = repr(err.get("input"))
+        got = got if len(got) <= 60 else got[:57] + "..."
+        raise JaxspecError(f"invalid sampling parameter: {loc}: {err['msg']} (got {got})") from None
+    if p.top_k == 0:
+        raise JaxspecError("invalid sampling parameter: top_k must be -1 (off) or >= 1, got 0")
+    return p
+
+
+def seed_bits(seed: int) -> int:
+    """A 64-bit seed (signed or unsigned) folded to the 32 bits a PRNG key is made from; seeds in
+    [0, 2^32) map to themselves, so small seeds give the same streams as before folding."""
+    s = int(seed) % 2**64
+    return (s ^ (s >> 32)) & 0xFFFFFFFF
 
 
 @jax.tree_util.register_dataclass
@@ -117,7 +145,7 @@ class SamplingTensors:
             repetition_penalty=f32("repetition_penalty"),
             frequency_penalty=f32("frequency_penalty"),
             presence_penalty=f32("presence_penalty"),
-            keys=jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32)),
+            keys=jax.vmap(jax.random.key)(jnp.asarray([seed_bits(s) for s in seeds], jnp.uint32)),
         )
 
 

@@ -1,1 +1,1 @@
-"""The OpenAI-compatible HTTP server (`jaxspec serve`, issue 5). Not implemented yet."""
+"""The OpenAI-compatible and SGLang-native HTTP server (`jaxspec serve`): schemas, scheduler, app."""

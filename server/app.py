@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -20,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxspec.errors import JaxspecError
 from server import protocol
@@ -57,8 +59,8 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         if self.api_key and scope["path"] != "/health":
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            if auth != f"Bearer {self.api_key}":
+            auth = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(auth, b"Bearer " + self.api_key.encode()):  # constant time
                 resp = _error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "AuthenticationError")
                 return await resp(scope, receive, send)
         length = headers.get(b"content-length")
@@ -110,8 +112,16 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
         parts = []
         for err in e.errors():
             loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-        return _error_response(400, "invalid request: " + "; ".join(parts), "BadRequestError")
+            part = f"{loc}: {err.get('msg')}" if loc else str(err.get("msg"))
+            if part not in parts:
+                parts.append(part)
+        more = f" (and {len(parts) - 4} more)" if len(parts) > 4 else ""
+        return _error_response(400, "invalid request: " + "; ".join(parts[:4]) + more, "BadRequestError")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing_error(request, e: StarletteHTTPException):  # unknown path (404) or method (405)
+        type_ = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(e.status_code, "BadRequestError")
+        return _error_response(e.status_code, f"{request.method} {request.url.path}: {e.detail}", type_, e.headers)
 
     @app.exception_handler(_BodyTooLarge)
     async def _too_large(request, e):
@@ -126,14 +136,11 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
 
     async def parse(request: Request, model):
         """The JSON body as `model` (whatever the Content-Type: `curl -d` sends form-encoded)."""
-        raw = await request.body()
-        try:
-            data = json.loads(raw or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HTTPError(400, f"the request body is not valid JSON: {e}", "BadRequestError") from None
-        if not isinstance(data, dict):
-            raise HTTPError(400, "the request body must be a JSON object", "BadRequestError")
-        return model.model_validate(data)
+        data = parse_json(await request.body())
+        body = model.model_validate(data)
+        if body.ignored_fields():
+            logger.info("%s: ignoring unknown fields %s", request.url.path, ", ".join(body.ignored_fields()))
+        return body
 
     def check_model(name: str | None) -> None:
         if name not in (None, "", "default", served_model_name):
@@ -255,6 +262,11 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
     async def health():
         if sched.error:
             return _error_response(503, f"scheduler stopped: {sched.error}", "ServiceUnavailable")
+        if sched.recovering:
+            return _error_response(503, f"re-creating the device state after an error: {sched.last_recovery}", "ServiceUnavailable",
+                                   {"Retry-After": "1"})
+        if sched.stats.recoveries:
+            return PlainTextResponse(f"ok (device state re-created {sched.stats.recoveries} times; last: {sched.last_recovery})")
         return PlainTextResponse("ok")
 
     @app.get("/v1/models")
@@ -262,16 +274,21 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0, "owned_by": "jaxspec",
                                             "root": served_model_name, "max_model_len": sched.context_length}]}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body("ChatCompletionRequest"))
     async def chat_completions(request: Request):
         body = await parse(request, protocol.ChatCompletionRequest)
         check_model(body.model)
         body.sampling(default_max=sched.context_length)  # validate before tokenizing
         with sched.tok_lock:
-            text = eng.apply_chat_template(body.conversation())
+            try:
+                text = eng.apply_chat_template(body.conversation())
+            except JaxspecError:
+                raise
+            except Exception as e:  # noqa: BLE001 - chat templates raise on conversations they do not accept
+                raise JaxspecError(f"messages: the model's chat template rejected this conversation: {e}") from None
         return await openai_run(request, body, encode(text, add_special_tokens=False), chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"))
     async def completions(request: Request):
         body = await parse(request, protocol.CompletionRequest)
         check_model(body.model)
@@ -280,11 +297,9 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
         ids = encode(p) if isinstance(p, str) else p
         return await openai_run(request, body, ids, chat=False)
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=_body("GenerateRequest"))
     async def generate(request: Request):
         body = await parse(request, protocol.GenerateRequest)
-        if (body.text is None) == (body.input_ids is None):
-            raise JaxspecError("pass exactly one of text or input_ids")
         params = body.sampling()
         ids = encode(body.text) if body.text is not None else body.input_ids
         req, q = submit(ids, params, body.speculative)
@@ -323,7 +338,66 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
     async def metrics():
         return PlainTextResponse(prometheus_text(sched, served_model_name), media_type="text/plain; version=0.0.4")
 
+    def openapi():
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(protocol.openapi_schemas())
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
+
+
+def _body(name: str) -> dict:
+    """OpenAPI request body of a route that parses its JSON itself (see parse_json)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}}
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body as a JSON object: strict JSON (no NaN / Infinity), UTF-8 without unpaired
+    surrogates; raises HTTPError 400 naming the problem."""
+    try:
+        data = json.loads(raw or b"null", parse_constant=_no_constant)
+    except RecursionError:
+        raise HTTPError(400, "the request body is nested too deeply", "BadRequestError") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN, integers of more than 4300 digits
+        raise HTTPError(400, f"the request body is not valid JSON: {e}", "BadRequestError") from None
+    if not isinstance(data, dict):
+        raise HTTPError(400, "the request body must be a JSON object", "BadRequestError")
+    where = _bad_string(data, "")
+    if where is not None:
+        raise HTTPError(400, f"{where or 'body'}: strings must be valid Unicode (unpaired surrogate)", "BadRequestError")
+    return data
+
+
+def _bad_string(x, path: str) -> str | None:
+    """Path of the first string (key or value) holding an unpaired surrogate, else None."""
+    stack = [(x, path)]
+    while stack:
+        x, path = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                p = f"{path}.{k}" if path else str(k)
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "body"
+                stack.append((v, p))
+        elif isinstance(x, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(x))
+    return None
 
 
 def prometheus_text(sched: Scheduler, model: str) -> str:
@@ -335,6 +409,8 @@ def prometheus_text(sched: Scheduler, model: str) -> str:
         ("num_requests_finished_total", "counter", "requests finished (stop or length)", st.finished),
         ("num_requests_aborted_total", "counter", "requests cancelled (client gone or shutdown)", st.aborted),
         ("num_requests_rejected_total", "counter", "requests refused because the queue was full", st.rejected),
+        ("num_requests_failed_total", "counter", "requests ended by an internal error (the server kept running)", st.failed),
+        ("num_recoveries_total", "counter", "times the device state was lost and re-created", st.recoveries),
         ("prompt_tokens_total", "counter", "prompt tokens of accepted requests", st.prompt_tokens),
         ("generation_tokens_total", "counter", "generated tokens", st.generation_tokens),
         ("gen_throughput", "gauge", "generated tokens per second over the last 10 s", round(st.tokens_per_s(), 3)),

@@ -25,8 +25,12 @@ def add_serve_args(p) -> None:
                    help="rounds per compiled dispatch between admissions/streaming (auto: 8 on GPU, 2 on CPU)")
     g.add_argument("--disable-overlap-schedule", action="store_true", help="fetch each dispatch's results before enqueuing the next")
     g.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                   help="precompile dispatch + admission for batch sizes 1, 2, 4, .. up to this at start-up (default: 8 on GPU, 2 on CPU; at most the slots)")
-    g.add_argument("--disable-cuda-graph", action="store_true", help="compile nothing at start-up (programs compile on first use)")
+                   help="at start-up, compile decoding for batch sizes 1, 2, 4, .. up to this at KV spans up to 512 (default: 8 on GPU, "
+                   "2 on CPU; at most the slots); larger shapes are covered by the largest programs until the background compile reaches them")
+    g.add_argument("--disable-cuda-graph", action="store_true",
+                   help="compile nothing ahead: each program shape compiles on first use (a request may wait for it)")
+    g.add_argument("--disable-background-compile", action="store_true",
+                   help="compile only the start-up programs; shapes they do not cover exactly compile on first use")
     g.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger request bodies get 413")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled")
@@ -59,8 +63,9 @@ def build(args, progress: bool = True):
         import jax
 
         default_bs = 2 if jax.devices()[0].platform == "cpu" else 8
-        n = warmup(sched, args.cuda_graph_max_bs or default_bs, progress=progress)
-        logger.warning("compiled %d start-up programs in %.1f s", n, time.perf_counter() - t)
+        n = warmup(sched, args.cuda_graph_max_bs or default_bs, progress=progress, background=not args.disable_background_compile)
+        logger.warning("compiled %d start-up programs in %.1f s%s", n, time.perf_counter() - t,
+                       "" if args.disable_background_compile else f"; compiling {sched.programs.background_total} more in the background")
     name = args.served_model_name or default_served_name(args.model_path)
     server_args = {k: v for k, v in vars(args).items() if k not in ("func", "command", "api_key")}
     app = create_app(sched, name, api_key=args.api_key, max_body_bytes=args.max_request_bytes, server_args=server_args)

@@ -1,88 +1,167 @@
-"""Request bodies of the HTTP API (OpenAI and SGLang-native) and their mapping to SamplingParams.
+"""Request bodies of the HTTP API (OpenAI and SGLang-native): one typed pydantic schema per route,
+the same schemas /openapi.json publishes, and their mapping to SamplingParams.
 
-Unknown fields are ignored, as OpenAI-compatible servers do; fields we cannot honour
-(n > 1, logprobs, echo, tools) are rejected with a 400 that names them.
+Every field is typed and bounded (finite numbers, 32-bit token ids and counts, 64-bit seeds, bounded
+stop lists), so nothing reaches the scheduler unvalidated. Fields the OpenAI API defines but this
+server cannot honour yet (response_format other than text, tools, logit_bias, logprobs, n > 1,
+echo, ...) are rejected with a 400 that names them, never ignored. Fields that do not change the
+output (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`) are accepted. Fields
+no API defines are ignored, as OpenAI-compatible servers do, and logged.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from jaxspec.errors import JaxspecError
-from jaxspec.sampling import SamplingParams
+from jaxspec.sampling import INT32_MAX, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams, sampling_params_schema
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+StopStr = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+Stop = StopStr | Annotated[list[StopStr], Field(max_length=MAX_STOP_STRINGS)] | None
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None
+
+
+def _num(**bounds):
+    return Annotated[float, Field(allow_inf_nan=False, **bounds)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # unknown fields are kept aside (model_extra) so the app can log them
+    model_config = ConfigDict(extra="allow")
+
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
+def _unsupported(field: str, what: str) -> JaxspecError:
+    return JaxspecError(f"{field}: {what} is not supported by this server")
+
+
 class _OpenAICommon(_Body):
-    model: str = "default"
-    max_tokens: int | None = Field(None, ge=0)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = None
-    min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    model: Annotated[str, Field(max_length=512)] = "default"
+    max_tokens: Count | None = None
+    temperature: _num(ge=0) | None = None
+    top_p: _num(gt=0, le=1) | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX, description="-1 or 0 = off")] | None = None
+    min_p: _num(ge=0, le=1) | None = None
+    seed: Seed = None
+    stop: Stop = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    frequency_penalty: _num(ge=-2, le=2) | None = None
+    presence_penalty: _num(ge=-2, le=2) | None = None
+    repetition_penalty: _num(gt=0, le=2) | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=INT32_MAX)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: Any = None
-    speculative: bool = True  # jaxspec extension: false decodes this request without speculation
+    logit_bias: dict[str, _num()] | None = None
+    speculative: bool = Field(True, description="jaxspec extension: false decodes this request without speculation")
+    # accepted, no effect on the output
+    user: Annotated[str, Field(max_length=4096)] | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        if self.n != 1:
+            raise _unsupported("n", f"n={self.n} (only n=1)")
+        if self.logit_bias:
+            raise _unsupported("logit_bias", "logit_bias")
+        return self
 
     def sampling(self, default_max: int | None) -> SamplingParams:
-        if self.n != 1:
-            raise JaxspecError(f"n={self.n} is not supported (only n=1)")
-        if self.logprobs not in (None, False, 0):
-            raise JaxspecError("logprobs are not supported yet")
         d = dict(max_new_tokens=self.max_tokens if self.max_tokens is not None else default_max,
                  temperature=1.0 if self.temperature is None else self.temperature, top_p=self.top_p, top_k=self.top_k,
                  min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                  frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                  repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens)
-        if d["top_k"] is not None and d["top_k"] == 0:
+        if d["top_k"] == 0:
             d["top_k"] = -1  # some clients send 0 for "off"
         return SamplingParams.from_dict(d)
 
 
+class ContentPart(_Body):
+    type: Annotated[str, Field(max_length=64)]
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text":
+            raise JaxspecError(f"messages: content of type {self.type!r} is not supported (text only)")
+        if self.text is None:
+            raise JaxspecError("messages: a text content part needs a 'text' string")
+        return self
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
+    name: Annotated[str, Field(max_length=256)] | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _no_tool_calls(self):
+        if self.tool_calls:
+            raise _unsupported("messages.tool_calls", "tool calling")
+        return self
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for p in self.content:
-            if p.get("type") != "text":
-                raise JaxspecError(f"message content of type {p.get('type')!r} is not supported (text only)")
-            parts.append(p.get("text", ""))
-        return "".join(parts)
+        return "".join(p.text or "" for p in self.content)
 
 
 class ChatCompletionRequest(_OpenAICommon):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=0)
-    tools: Any = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Count | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    web_search_options: Any = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported_chat(self):
+        if self.logprobs or self.top_logprobs:
+            raise _unsupported("logprobs", "logprobs / top_logprobs")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise _unsupported("response_format", f"response_format {self.response_format.get('type')!r} (structured output)")
+        if self.tools or self.functions:
+            raise _unsupported("tools", "tools / function calling")
+        if self.tool_choice not in (None, "none", "auto") or self.function_call not in (None, "none", "auto"):
+            raise _unsupported("tool_choice", "tool_choice")
+        if self.audio is not None or (self.modalities and self.modalities != ["text"]):
+            raise _unsupported("modalities", "audio output")
+        if self.prediction is not None:
+            raise _unsupported("prediction", "predicted outputs")
+        if self.reasoning_effort is not None:
+            raise _unsupported("reasoning_effort", "reasoning_effort")
+        if self.web_search_options is not None:
+            raise _unsupported("web_search_options", "web search")
+        return self
 
     def sampling(self, default_max):
-        if self.tools:
-            raise JaxspecError("tools / function calling are not supported")
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return super().sampling(default_max)
@@ -92,32 +171,79 @@ class ChatCompletionRequest(_OpenAICommon):
 
 
 class CompletionRequest(_OpenAICommon):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | Annotated[list[TokenId], Field(min_length=1)] | list[str] | list[list[TokenId]]
     echo: bool = False
     suffix: str | None = None
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported_completion(self):
+        if self.echo:
+            raise _unsupported("echo", "echo")
+        if self.suffix:
+            raise _unsupported("suffix", "suffix")
+        if self.logprobs is not None:
+            raise _unsupported("logprobs", "logprobs")
+        if self.best_of not in (None, 1):
+            raise _unsupported("best_of", f"best_of={self.best_of}")
+        return self
 
     def prompt_one(self) -> str | list[int]:
-        if self.echo or self.suffix:
-            raise JaxspecError("echo and suffix are not supported")
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
-                raise JaxspecError("one prompt per request (batched prompts: send concurrent requests)")
+                raise JaxspecError("prompt: one prompt per request (batched prompts: send concurrent requests)")
             p = p[0]
         if isinstance(p, list) and not p:
-            raise JaxspecError("the prompt is empty")
+            raise JaxspecError("prompt: the prompt is empty")
         return p
+
+
+SamplingParamsDict = Annotated[
+    dict[str, Any],
+    WithJsonSchema({"type": "object", "description": "SGLang's sampling parameters (SamplingParams; aliases: max_tokens, "
+                    "sampling_seed; n must be 1)"}),
+]
 
 
 class GenerateRequest(_Body):
     """SGLang's native /generate."""
 
     text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    input_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    sampling_params: SamplingParamsDict = Field(default_factory=dict)
     stream: bool = False
     speculative: bool = True
-    rid: str | None = None
+    rid: Annotated[str, Field(max_length=256)] | None = None
+    return_logprob: bool = False
+    top_logprobs_num: Annotated[int, Field(ge=0, le=20)] = 0
+    logprob_start_len: Annotated[int, Field(ge=-1, le=INT32_MAX)] = -1
+
+    @model_validator(mode="after")
+    def _checks(self):
+        if (self.text is None) == (self.input_ids is None):
+            raise JaxspecError("pass exactly one of text or input_ids")
+        if self.return_logprob or self.top_logprobs_num:
+            raise _unsupported("return_logprob", "return_logprob / top_logprobs_num")
+        for key in ("json_schema", "regex", "ebnf", "structural_tag"):
+            if self.sampling_params.get(key) is not None:
+                raise _unsupported(f"sampling_params.{key}", "constrained decoding (json_schema / regex / ebnf)")
+        return self
 
     def sampling(self) -> SamplingParams:
         return SamplingParams.from_dict(self.sampling_params)
+
+
+def openapi_schemas() -> dict[str, dict]:
+    """JSON schemas of the request bodies (and SamplingParams) for /openapi.json, keyed by name."""
+    out: dict[str, dict] = {}
+    for model in (ChatCompletionRequest, CompletionRequest, GenerateRequest):
+        s = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        out.update(s.pop("$defs", {}))
+        out[model.__name__] = s
+    sp = sampling_params_schema().json_schema(ref_template="#/components/schemas/{model}")
+    out.update(sp.pop("$defs", {}))
+    out["SamplingParams"] = sp
+    out["GenerateRequest"]["properties"]["sampling_params"] = {"$ref": "#/components/schemas/SamplingParams"}
+    return out

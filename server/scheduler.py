@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import math
 import os
 import threading
 import time
@@ -32,7 +31,8 @@ from jaxspec.decode import LENGTH, STOPPED
 from jaxspec.engine import Engine, bucket, tokens_through
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingParams, SamplingTensors
-from jaxspec.serving import SlotBatch, admit_chunk, admit_finish, dispatch
+from jaxspec.serving import SlotBatch
+from server.programs import Programs
 
 logger = logging.getLogger("jaxspec.server")
 
@@ -67,6 +67,13 @@ class Request:
     inflight: int = 0  # dispatches enqueued for this request whose results are not processed yet
     _stops: list = dataclasses.field(default_factory=list)  # stop token ids (EOS, stop_token_ids, 1-token stop strings)
 
+    def send(self, event: dict) -> None:
+        """emit(event), never raising into the scheduler (a client's event loop may be gone)."""
+        try:
+            self.emit(event)
+        except Exception:  # noqa: BLE001
+            logger.warning("request %s: could not deliver a %s event", self.rid, event.get("type"), exc_info=True)
+
 
 @dataclasses.dataclass
 class Stats:
@@ -74,6 +81,8 @@ class Stats:
     finished: int = 0
     aborted: int = 0
     rejected: int = 0
+    failed: int = 0  # requests ended by an internal error (the server kept running)
+    recoveries: int = 0  # times the device state was lost and re-created
     prompt_tokens: int = 0
     generation_tokens: int = 0
     spec_tokens: int = 0  # tokens of finished speculative requests
@@ -143,7 +152,10 @@ class Scheduler:
         self._rng = np.random.default_rng(0)
         self._stop = False
         self._thread: threading.Thread | None = None
-        self.error: str | None = None
+        self.programs = Programs(self, lazy=True)  # server/launch.py compiles ahead and sets lazy=False
+        self.error: str | None = None  # set when the scheduler could not recover: the server is down
+        self.recovering = False  # True while the device state is being re-created
+        self.last_recovery: str | None = None  # why the device state was last re-created
 
     # ---- memory plan -------------------------------------------------------------------------
 
@@ -186,6 +198,10 @@ class Scheduler:
                                "(prompt + output); shorten the prompt or restart with a larger --context-length")
         if min(ids) < 0 or max(ids) >= self.eng.cfg.vocab_size:
             raise JaxspecError(f"prompt token ids must be in [0, {self.eng.cfg.vocab_size})")
+        params.validate()
+        bad = [t for t in params.stop_token_ids or [] if not 0 <= t < self.eng.cfg.vocab_size]
+        if bad:
+            raise JaxspecError(f"stop_token_ids must be in [0, {self.eng.cfg.vocab_size}), got {bad[0]}")
 
     def submit(self, req: Request) -> None:
         """Queues a request (raises JaxspecError for bad input, QueueFull when the queue is full)."""
@@ -235,6 +251,7 @@ class Scheduler:
         with self.lock:
             self._stop = True
             self.wake.notify()
+        self.programs.stop()
         if self._thread is not None:
             self._thread.join(timeout)
         with self.lock:
@@ -256,27 +273,35 @@ class Scheduler:
     # ---- the loop (scheduler thread) ---------------------------------------------------------
 
     def _loop(self) -> None:
-        try:
-            while True:
-                with self.lock:
-                    while not self._stop and not self.waiting and not self.busy and not self._pending and not self._prefilling:
-                        self.wake.wait(0.5)
-                    if self._stop:
-                        return
-                self.step()
-        except Exception as e:  # noqa: BLE001 - a bug: fail every request loudly, keep the HTTP side up
-            logger.exception("scheduler crashed")
-            self.error = f"{type(e).__name__}: {e}"
+        while True:
             with self.lock:
-                self._stop = True
-                for r in list(self.waiting) + list(self.busy.values()):
-                    r.finished = True
-                    r.emit({"type": "error", "message": f"internal error: {self.error}"})
-                self.waiting.clear()
-                self.busy.clear()
+                while not self._stop and not self.waiting and not self.busy and not self._pending and not self._prefilling:
+                    self.wake.wait(0.5)
+                if self._stop:
+                    return
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - a bug outside the guarded device calls: start over, keep serving
+                logger.exception("scheduler iteration failed")
+                try:
+                    self._recover(f"{type(e).__name__}: {e}")
+                except Exception as e2:  # noqa: BLE001 - cannot even rebuild the device state: the server is down
+                    logger.exception("could not recover the device state")
+                    self.error = f"{type(e2).__name__}: {e2}"
+                    with self.lock:
+                        self._stop = True
+                        left = list(self.waiting)
+                        self.waiting.clear()
+                    for r in left:
+                        self._fail(r, f"internal error: {self.error}")
+                    return
 
     def step(self) -> None:
-        """One scheduling iteration: admit, one prefill chunk, dispatch, process finished work."""
+        """One scheduling iteration: admit, one prefill chunk, dispatch, process finished work.
+
+        Each device call and each result is guarded: an exception fails the requests it was for
+        (an "error" event, counted in Stats.failed), and if the device state was lost with it
+        (a program failed after its input buffers were donated) the state is re-created."""
         self._admit()
         with self.lock:
             decoding = any(r.decoding for r in self.busy.values())
@@ -284,10 +309,73 @@ class Scheduler:
         with self.lock:
             busy = {s: r for s, r in self.busy.items() if r.decoding}
         if busy:
-            self._dispatch(busy)
+            self._guarded("decoding", list(busy.values()), lambda: self._dispatch(busy))
         keep = 1 if self.overlap and busy else 0  # leave the newest dispatch running while the host works
         while len(self._pending) > keep:
-            self._process(self._pending.popleft())
+            item = self._pending.popleft()
+            who = item[1] if item[0] == "admit" else list(item[1].values())
+            self._guarded("fetching results", who, lambda: self._process(item))
+
+    def _guarded(self, what: str, reqs: list[Request], fn) -> bool:
+        """fn(); on an exception fails `reqs` (and, if the device state is gone, every running request). True if fn succeeded."""
+        try:
+            fn()
+            return True
+        except Exception as e:  # noqa: BLE001
+            logger.exception("error while %s (%d requests)", what, len(reqs))
+            msg = f"internal error while {what}: {type(e).__name__}: {e}"
+            for r in reqs:
+                self._fail(r, msg)
+            if not self._state_ok():
+                self._recover(msg)
+            return False
+
+    def _state_ok(self) -> bool:
+        """Whether the device state survived (no buffer donated to a failed program, none poisoned)."""
+        try:
+            if any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.batch)):
+                return False
+            jax.block_until_ready(self.batch)
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _recover(self, why: str) -> None:
+        """Re-creates the slot state: every request holding a slot fails, waiting ones stay queued."""
+        logger.error("device state lost (%s): failing the running requests and re-creating the request slots", why)
+        self.recovering = True
+        try:
+            with self.lock:
+                running = list(self.busy.values()) + [r for g in self._prefilling for r in g["reqs"]]
+            for r in running:
+                self._fail(r, f"internal error (the server recovered; retry the request): {why}")
+            with self.lock:
+                self.busy.clear()
+                self._prefilling.clear()
+                self._pending.clear()
+            self.batch = None
+            steps = self.spec.num_steps if self.spec else 0
+            self.batch = SlotBatch.create(self.eng.cfg, self.prop, self.slots, self.max_len, self.window, self.num_stop,
+                                          self.eng.dtype, steps, self.eng.kv_sharding)
+            with self.lock:
+                self.stats.recoveries += 1
+            self.last_recovery = why
+        finally:
+            self.recovering = False
+
+    def _fail(self, r: Request, message: str) -> None:
+        """Ends one request with an "error" event and frees its slot."""
+        with self.lock:
+            if r.finished:
+                return
+            r.finished = True
+            if r in self.waiting:
+                self.waiting.remove(r)
+            if r.slot is not None and self.busy.get(r.slot) is r:
+                del self.busy[r.slot]
+            if not r.cancelled:
+                self.stats.failed += 1
+        r.send({"type": "error", "message": message})
 
     def run_until_idle(self) -> None:
         """Drives the loop in the calling thread until every request finished (tests, offline use)."""
@@ -310,21 +398,32 @@ class Scheduler:
             for s, r in zip(free, reqs):
                 r.slot = s
                 self.busy[s] = r
+        progs = self.programs
         while reqs:
             n = 1 << (len(reqs).bit_length() - 1)
+            if not progs.lazy:  # the largest group whose programs are compiled (n = 1 always is)
+                sizes = progs.finish_sizes()
+                while n > 1 and (n not in sizes or progs.prefill_plan(n, max(len(r.ids) for r in reqs[:n])) is None):
+                    n //= 2
             self._prefilling.append(self._new_group(reqs[:n]))
             reqs = reqs[n:]
 
     def _new_group(self, reqs: list[Request]) -> dict:
-        chunk = min(bucket(self.eng.chunked_prefill_size), bucket(max(len(r.ids) for r in reqs), 64))
-        n_chunks = -(-max(len(r.ids) for r in reqs) // chunk)
+        length = max(len(r.ids) for r in reqs)
+        plan = self.programs.prefill_plan(len(reqs), length)
+        if plan is None:  # nothing compiled covers it (compile at first use): the ideal shapes
+            self.programs.lazy, lazy = True, self.programs.lazy
+            plan = self.programs.prefill_plan(len(reqs), length)
+            self.programs.lazy = lazy
+        chunk, keys = plan
+        n_chunks = len(keys)
         prompt = np.zeros((len(reqs), n_chunks * chunk), np.int32)
         for i, r in enumerate(reqs):
             prompt[i, : len(r.ids)] = r.ids
         shift = self.prop.shift if self.prop is not None else 0
         dprompt = np.zeros_like(prompt)
         dprompt[:, : prompt.shape[1] - shift] = prompt[:, shift:]
-        return dict(reqs=reqs, chunk=chunk, n_chunks=n_chunks, next=0, prompt=prompt, dprompt=dprompt)
+        return dict(reqs=reqs, chunk=chunk, n_chunks=n_chunks, keys=keys, next=0, prompt=prompt, dprompt=dprompt)
 
     def _prefill(self, interleave: bool) -> None:
         """Runs prefill chunks: one chunk when requests are decoding (SGLang's chunked prefill: a
@@ -335,19 +434,25 @@ class Scheduler:
                 self._prefilling.popleft()
                 self._release(g["reqs"])
                 continue
-            eng, c, chunk = self.eng, g["next"], g["chunk"]
-            rows = jnp.asarray([r.slot for r in g["reqs"]], jnp.int32)
-            sl = slice(c * chunk, (c + 1) * chunk)
-            self.batch = admit_chunk(eng.graphdef, eng.params, self.prop, eng.dparams, self.batch, rows, jnp.asarray(g["prompt"][:, sl]),
-                                     jnp.asarray(g["dprompt"][:, sl]), jnp.int32(c * chunk), jnp.asarray([len(r.ids) for r in g["reqs"]], jnp.int32),
-                                     span=self._span(c * chunk + chunk), backend=eng.backend)
-            g["next"] += 1
+            if not self._guarded("prefilling", g["reqs"], lambda: self._prefill_chunk(g)):
+                if self._prefilling and self._prefilling[0] is g:
+                    self._prefilling.popleft()
+                return
             if g["next"] == g["n_chunks"]:
                 self._prefilling.popleft()
-                self._finish_admission(g["reqs"])
+                self._guarded("starting decoding", g["reqs"], lambda: self._finish_admission(g["reqs"]))
                 return
             if interleave:
                 return
+
+    def _prefill_chunk(self, g: dict) -> None:
+        eng, c, chunk = self.eng, g["next"], g["chunk"]
+        rows = jnp.asarray([r.slot for r in g["reqs"]], jnp.int32)
+        sl = slice(c * chunk, (c + 1) * chunk)
+        prog = self.programs.get(g["keys"][c])
+        self.batch = prog(eng.params, eng.dparams, self.batch, rows, jnp.asarray(g["prompt"][:, sl]), jnp.asarray(g["dprompt"][:, sl]),
+                          jnp.int32(c * chunk), jnp.asarray([len(r.ids) for r in g["reqs"]], jnp.int32))
+        g["next"] += 1
 
     def _finish_admission(self, reqs: list[Request]) -> None:
         eng, n = self.eng, len(reqs)
@@ -360,11 +465,9 @@ class Scheduler:
         for i, r in enumerate(reqs):
             stops[i, : len(r._stops)] = r._stops
             seen[i, r.ids] = True
-        self.batch, first = admit_finish(
-            eng.graphdef, eng.params, self.prop, eng.dparams, self.batch, rows, st, jnp.asarray([r.max_new for r in reqs], jnp.int32),
-            jnp.asarray(stops), jnp.asarray([not r.speculative for r in reqs]), jnp.asarray(seen),
-            span=self._span(max(len(r.ids) for r in reqs) + 1), backend=eng.backend,
-        )
+        prog = self.programs.get(("finish", n))
+        self.batch, first = prog(eng.params, eng.dparams, self.batch, rows, st, jnp.asarray([r.max_new for r in reqs], jnp.int32),
+                                 jnp.asarray(stops), jnp.asarray([not r.speculative for r in reqs]), jnp.asarray(seen))
         with self.lock:
             for r in reqs:
                 r.known, r.inflight = len(r.ids) + 1, 0
@@ -395,8 +498,8 @@ class Scheduler:
         kill = np.ones((self.slots,), bool)
         kill[list(busy)] = False
         eng = self.eng
-        self.batch, outs = dispatch(eng.graphdef, eng.params, self.prop, eng.dparams, self.spec, self.batch, jnp.asarray(kill),
-                                    k=self.k, n_act=n_act, span=self._span(need), backend=eng.backend)
+        prog = self.programs.get(self.programs.dispatch_key(n_act, self._span(need)))
+        self.batch, outs = prog(eng.params, eng.dparams, self.batch, jnp.asarray(kill))
         self._pending.append(("dispatch", busy, outs))
 
     # ---- results -----------------------------------------------------------------------------
@@ -408,7 +511,7 @@ class Scheduler:
             now = time.perf_counter()
             for r, t in zip(who, first):
                 r.t_first = now
-                self._advance(r, [int(t)], done_code=None, verify_ct=0, hist=None, first=True)
+                self._guarded("streaming", [r], lambda: self._advance(r, [int(t)], done_code=None, verify_ct=0, hist=None, first=True))  # noqa: B023
             new = len(who)
         else:
             out, count, done, finish, vct, hist = jax.device_get(arr)
@@ -416,7 +519,8 @@ class Scheduler:
                 code = int(finish[s]) if done[s] else None
                 toks = [int(t) for t in out[s, : count[s]]]
                 r.inflight -= 1
-                self._advance(r, toks, done_code=code, verify_ct=int(vct[s]), hist=hist[s] if self.spec else None)
+                h = hist[s] if self.spec else None
+                self._guarded("streaming", [r], lambda: self._advance(r, toks, done_code=code, verify_ct=int(vct[s]), hist=h))  # noqa: B023
             new = int(sum(count[s] for s in who))
         with self.lock:
             self.stats.recent.append((time.perf_counter(), new))
@@ -448,7 +552,7 @@ class Scheduler:
         if stop_hit is not None:
             reason = stop_hit
         if delta or toks:
-            r.emit({"type": "delta", "text": delta, "ids": toks})
+            r.send({"type": "delta", "text": delta, "ids": toks})
         if reason is not None:
             with self.lock:
                 if self.busy.get(r.slot) is r:
@@ -504,7 +608,7 @@ class Scheduler:
                 st.spec_verify_ct += r.verify_ct
         if self.prop is not None and self.spec.algorithm == "NGRAM" and reason["type"] != "abort":
             self._ngram_add(r)
-        r.emit({"type": "done", "result": self.result(r, reason)})
+        r.send({"type": "done", "result": self.result(r, reason)})
 
     def _ngram_add(self, r: Request) -> None:
         corpus = self.eng._corpus
@@ -534,36 +638,12 @@ class Scheduler:
         return None if not st.spec_verify_ct else st.spec_tokens / st.spec_verify_ct
 
 
-def warmup(sched: Scheduler, max_bs: int, progress: bool = True) -> int:
-    """Compiles, for busy-slot counts n = 1, 2, 4, .. <= max_bs, the admission of n short prompts
-    and the dispatch at every KV span from min_span up to 512, so that short requests do not wait
-    for XLA. Returns the number of programs compiled."""
-    from tqdm.auto import tqdm
-
-    sizes = [1 << i for i in range(int(math.log2(max(1, min(max_bs, sched.slots)))) + 1)]
-    spans = sorted({sched._span(x) for x in (sched.min_span, 128, 256, 512)})
-    bar = tqdm(total=len(sizes) * (2 + len(spans)), unit="program", disable=not progress,
-               desc=f"compiling (batch sizes {','.join(map(str, sizes))}; KV spans {','.join(map(str, spans))})")
-    eng = sched.eng
-    compiled = 0
-    for n in sizes:
-        reqs = [Request(ids=[1] * 8, params=SamplingParams(max_new_tokens=2, temperature=0.0), emit=lambda e: None) for _ in range(n)]
-        for r in reqs:
-            sched.submit(r)
-        sched._admit()
-        sched._prefill(interleave=False)  # admit_chunk + admit_finish
-        bar.update(2)
-        compiled += 2
-        for span in spans:  # every slot killed: the loop exits at once, but the program compiles
-            sched.batch, outs = dispatch(eng.graphdef, eng.params, sched.prop, eng.dparams, sched.spec, sched.batch,
-                                         jnp.ones((sched.slots,), bool), k=sched.k, n_act=n, span=span, backend=eng.backend)
-            jax.block_until_ready(outs)
-            bar.update(1)
-            compiled += 1
-        for r in reqs:
-            sched.cancel(r)
-        sched.run_until_idle()
-    bar.close()
-    with sched.lock:  # warm-up requests do not count
-        sched.stats = Stats()
-    return compiled
+def warmup(sched: Scheduler, max_bs: int, progress: bool = True, background: bool = True) -> int:
+    """Compiles the start-up cover set (server/programs.py) with a progress bar, then, if
+    `background`, every other program shape in a background thread. Returns the number of
+    start-up programs."""
+    n = sched.programs.compile_startup(max_bs, progress=progress)
+    sched.programs.lazy = False
+    if background:
+        sched.programs.start_background()
+    return n

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# compile in memory only (hermetic runs); tests/test_compile_cache.py turns the persistent cache on itself
+os.environ.setdefault("JAXSPEC_COMPILATION_CACHE", "off")
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
@@ -35,6 +37,10 @@ def _free_compiled_programs():
     import jax
 
     jax.clear_caches()
+    import sys
+
+    if "server.programs" in sys.modules:
+        sys.modules["server.programs"].clear_cache()
     gc.collect()
 
 

@@ -102,6 +102,8 @@ def start(model_dirs, **flags):
     from server.launch import build
 
     argv = ["serve", "--model-path", model_dirs["target"], "--api-key", KEY, "--context-length", "256", "--log-level", "error"]
+    if not flags.pop("background_compile", False):  # spare the 2 test cores
+        argv.append("--disable-background-compile")
     for k, v in flags.items():
         argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
     app, sched = build(build_parser().parse_args(argv), progress=False)
@@ -211,12 +213,110 @@ def test_stop_strings(spec_server):
         ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
         ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, 400, "bogus"),
         ("/generate", {"sampling_params": {}}, 400, "exactly one"),
+        # each of these once reached the engine (500, or a scheduler crash that took the server down)
+        ("/v1/chat/completions", {"messages": CHAT, "seed": 2**64}, 400, "seed"),
+        ("/v1/chat/completions", {"messages": CHAT, "seed": -(2**63) - 1}, 400, "seed"),
+        ("/generate", {"text": "hi", "sampling_params": {"seed": 2**64}}, 400, "seed"),
+        ("/generate", {"text": "hi", "sampling_params": {"top_k": "abc"}}, 400, "top_k"),
+        ("/generate", {"text": "hi", "sampling_params": {"temperature": {"a": 1}}}, 400, "temperature"),
+        ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": "x"}}, 400, "stop_token_ids"),
+        ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [2**40]}}, 400, "stop_token_ids"),
+        ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [10**7]}}, 400, "stop_token_ids"),
+        ("/generate", {"text": "hi", "sampling_params": {"repetition_penalty": [1, 2]}}, 400, "repetition_penalty"),
+        ("/generate", {"text": "hi", "sampling_params": {"top_k": 2**40}}, 400, "top_k"),
+        ("/generate", {"text": "hi", "sampling_params": {"json_schema": "{}"}}, 400, "json_schema"),
+        ("/generate", {"text": "hi", "return_logprob": True}, 400, "return_logprob"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": True}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2**70}, 400, "max_tokens"),
+        ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "image_url"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
     ],
 )
 def test_bad_input_is_an_openai_error(spec_server, path, body, status, match):
     st, r, _ = spec_server.request("POST", path, body)
     assert st == status and match in r["error"]["message"], r
     assert "Traceback" not in json.dumps(r)
+
+
+def test_largest_seeds_are_served_and_the_server_stays_up(spec_server):
+    """64-bit seeds (signed or unsigned) are folded into the PRNG key; once, 2**64 crashed the scheduler."""
+    outs = []
+    for seed in (2**64 - 1, -(2**63), 2**32 + 7, 7):
+        st, r, _ = spec_server.request("POST", "/v1/chat/completions", {"messages": CHAT, "seed": seed, "max_tokens": 6})
+        assert st == 200, r
+        outs.append(r["choices"][0]["message"]["content"])
+    st, r, _ = spec_server.request("POST", "/v1/chat/completions", {"messages": CHAT, "seed": 2**32 + 7, "max_tokens": 6})
+    assert r["choices"][0]["message"]["content"] == outs[2]  # reproducible
+    st, _, _ = spec_server.request("GET", "/health")
+    assert st == 200
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "hi", "temperature": NaN}', b'{"prompt": "hi", "top_p": Infinity}',
+                                 b'{"prompt": "\\ud800"}', b'{"prompt": "\xff\xfe"}', b'[' * 100000 + b']' * 100000,
+                                 b'{"prompt": "hi", "max_tokens": ' + b'9' * 5000 + b'}', b'"just a string"'])
+def test_non_json_bodies_are_400(spec_server, raw):
+    st, r, _ = spec_server.request("POST", "/v1/completions", raw=raw, headers={"Content-Length": str(len(raw))})
+    assert st in (400, 413) and r["error"]["message"], r
+
+
+def test_openapi_documents_request_bodies(spec_server):
+    st, doc, _ = spec_server.request("GET", "/openapi.json")
+    assert st == 200
+    schemas = doc["components"]["schemas"]
+    for path, name in (("/v1/chat/completions", "ChatCompletionRequest"), ("/v1/completions", "CompletionRequest"), ("/generate", "GenerateRequest")):
+        body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{name}"}
+        assert name in schemas
+    assert schemas["SamplingParams"]["properties"]["top_k"]["minimum"] == -1
+    assert "seed" in schemas["ChatCompletionRequest"]["properties"]
+    refs = [m for m in json.dumps(doc).split('"$ref": "')[1:]]
+    for ref in refs:  # every reference resolves
+        name = ref.split('"')[0].rsplit("/", 1)[-1]
+        assert name in schemas, name
+
+
+def test_a_failing_request_does_not_take_the_server_down(spec_server, monkeypatch):
+    """A program that fails for one request fails that request (500 JSON, counted); a failure that
+    loses the device state re-creates it; either way the next request is served and /health is ok."""
+    import jax
+
+    progs = spec_server.sched.programs
+    real_get = progs.get
+    calls = {"finish": 0, "dispatch": 0}
+
+    def flaky_get(key):
+        prog = real_get(key)
+        if key[0] == "finish" and calls["finish"] == 0:
+            calls["finish"] += 1
+            raise RuntimeError("injected admission failure")
+        if key[0] == "dispatch" and calls["finish"] == 1 and calls["dispatch"] == 0:
+            calls["dispatch"] += 1
+
+            def lose_state(params, dparams, batch, kill):
+                jax.tree_util.tree_map(lambda x: x.delete(), batch)  # as if donated to a program that then failed
+                raise RuntimeError("injected device failure")
+
+            return lose_state
+        return prog
+
+    monkeypatch.setattr(progs, "get", flaky_get)
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}}
+    st, r, _ = spec_server.request("POST", "/generate", body)
+    assert st == 500 and "injected admission failure" in r["error"]["message"], r
+    st, r, _ = spec_server.request("POST", "/generate", body)
+    assert st == 500 and "injected device failure" in r["error"]["message"], r
+    st, r, _ = spec_server.request("POST", "/generate", body)
+    assert st == 200 and r["meta_info"]["completion_tokens"] == 8, r
+    st, text, _ = spec_server.request("GET", "/health")
+    assert st == 200 and "re-created 1 times" in text
+    _, text, _ = spec_server.request("GET", "/metrics")
+    vals = {ln.split("{")[0]: float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("jaxspec:")}
+    assert vals["jaxspec:num_requests_failed_total"] >= 2 and vals["jaxspec:num_recoveries_total"] == 1
 
 
 def test_malformed_json_and_oversized_body(spec_server):

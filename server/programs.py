@@ -1,0 +1,256 @@
+"""The server's compiled device programs, by shape, compiled ahead of time, and the rule that picks one.
+
+The scheduler runs three programs (jaxspec/serving.py), each specialised on a few static sizes:
+
+  ("chunk", n, C, span)     admit_chunk: one prefill chunk of C tokens for n new requests
+  ("finish", n)             admit_finish: their first tokens (its draft extension reads every column)
+  ("dispatch", n_act, span) dispatch: k rounds for slots [0, n_act)
+
+`span` is how many KV columns attention reads. A program for a larger n_act, C or span than a call
+needs is still correct (extra slots are stopped, extra columns are masked, a chunk is zero-padded),
+only slower. So no request has to wait for XLA: start-up compiles a *cover* set that serves any
+request within --context-length and --max-running-requests (the short shapes exactly, the rest
+through the largest programs), a background thread then compiles every other shape (most useful
+first; with the persistent compilation cache, a restart loads them from disk), and each call takes
+the cheapest program compiled so far that covers it. Only with --disable-cuda-graph (nothing
+compiled ahead) does a call compile on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.sampling import SamplingTensors
+from jaxspec.serving import admit_chunk, admit_finish, dispatch
+
+logger = logging.getLogger("jaxspec.server")
+
+PREFILL_CHUNK_MIN = 64  # the chunk every prompt can always be prefilled with
+
+
+def _spec(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def _sig(tree) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return (treedef, tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) for x in leaves if hasattr(x, "shape")))
+
+
+# Compiled programs of every Scheduler in this process, so that schedulers over the same model and
+# shapes (a restarted server, tests) share them, as jax.jit's own cache would.
+_COMPILED: dict[tuple, Any] = {}
+_COMPILED_LOCK = threading.Lock()
+
+
+def clear_cache() -> None:
+    """Drops every compiled program (with jax.clear_caches(): frees their memory mappings)."""
+    with _COMPILED_LOCK:
+        _COMPILED.clear()
+
+
+class Programs:
+    """Compiled programs of one Scheduler, keyed as in the module docstring."""
+
+    def __init__(self, sched, lazy: bool = False):
+        self.sched = sched
+        self.lazy = lazy  # --disable-cuda-graph: compile on first use only
+        self.ready = _COMPILED  # (static signature, key) -> jax Compiled
+        self.lock = _COMPILED_LOCK
+        self.compiles_on_demand = 0  # calls that had to wait for a compile
+        self._batch_spec = jax.tree_util.tree_map(_spec, sched.batch)
+        self._params_spec = jax.tree_util.tree_map(_spec, sched.eng.params)
+        eng = sched.eng
+        self._static = (eng.graphdef, sched.prop, sched.spec, sched.k, eng.backend, sched.slots, sched.max_len, sched.num_stop,
+                        _sig(self._batch_spec), _sig(self._params_spec))
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.background_total = 0
+        self.background_done = 0
+
+    # ---- shapes --------------------------------------------------------------------------------
+
+    def spans(self) -> list[int]:
+        s = self.sched
+        out, x = [], s.min_span
+        while x < s.max_len:
+            out.append(x)
+            x *= 2
+        return out + [s.max_len]
+
+    def sizes(self, up_to: int | None = None) -> list[int]:
+        cap = min(up_to or self.sched.slots, self.sched.slots)
+        out, n = [], 1
+        while n <= cap:
+            out.append(n)
+            n *= 2
+        if self.sched.slots not in out and up_to is None:
+            out.append(self.sched.slots)
+        return out
+
+    def chunk_sizes(self) -> list[int]:
+        top = max(PREFILL_CHUNK_MIN, 1 << (max(self.sched.eng.chunked_prefill_size, 1).bit_length() - 1))
+        out, c = [], PREFILL_CHUNK_MIN
+        while c <= top:
+            out.append(c)
+            c *= 2
+        return out
+
+    def startup_keys(self, max_bs: int) -> list[tuple]:
+        """The cover set: short shapes exactly for batch sizes up to max_bs, every other shape
+        through the largest programs (n_act = slots, span = max_len; 64-token chunks at max_len)."""
+        s = self.sched
+        short = [x for x in self.spans() if x <= 512] or self.spans()[:1]
+        keys = [("finish", 1)] + [("chunk", 1, PREFILL_CHUNK_MIN, x) for x in short] + [("chunk", 1, PREFILL_CHUNK_MIN, s.max_len)]
+        for n in self.sizes(max_bs):
+            keys += [("dispatch", n, x) for x in short]
+        keys += [("dispatch", 1, s.max_len), ("dispatch", s.slots, s.max_len)]
+        return list(dict.fromkeys(keys))
+
+    def background_keys(self) -> list[tuple]:
+        """Every other shape, most useful first: short spans and small batches before long and large."""
+        keys = []
+        for x in self.spans():
+            for n in self.sizes():
+                keys.append(("dispatch", n, x))
+            keys.append(("chunk", 1, PREFILL_CHUNK_MIN, x))
+            for c in self.chunk_sizes():
+                if c <= x:
+                    keys.append(("chunk", 1, c, x))
+        for n in self.sizes()[1:]:
+            keys.append(("finish", n))
+            keys += [("chunk", n, PREFILL_CHUNK_MIN, x) for x in self.spans() if x <= 512]
+        return list(dict.fromkeys(keys))
+
+    # ---- compiling -----------------------------------------------------------------------------
+
+    def _weights_sig(self) -> tuple:
+        """Everything a program is specialised on besides its key (the draft's arrays can grow: NGRAM's corpus)."""
+        return self._static + (_sig(self.sched.eng.dparams),)
+
+    def _lower(self, key: tuple):
+        s, eng = self.sched, self.sched.eng
+        i32 = jnp.int32
+        sds = jax.ShapeDtypeStruct
+        dparams = jax.tree_util.tree_map(_spec, eng.dparams)
+        if key[0] == "dispatch":
+            _, n_act, span = key
+            return dispatch.lower(eng.graphdef, self._params_spec, s.prop, dparams, s.spec, self._batch_spec, sds((s.slots,), bool),
+                                  k=s.k, n_act=n_act, span=span, backend=eng.backend)
+        if key[0] == "chunk":
+            _, n, c, span = key
+            return admit_chunk.lower(eng.graphdef, self._params_spec, s.prop, dparams, self._batch_spec, sds((n,), i32), sds((n, c), i32),
+                                     sds((n, c), i32), sds((), i32), sds((n,), i32), span=span, backend=eng.backend)
+        _, n = key
+        st = jax.eval_shape(lambda: SamplingTensors.build_default(n))
+        return admit_finish.lower(eng.graphdef, self._params_spec, s.prop, dparams, self._batch_spec, sds((n,), i32), st, sds((n,), i32),
+                                  sds((n, s.num_stop), i32), sds((n,), bool), sds((n, eng.cfg.vocab_size), bool), span=s.max_len,
+                                  backend=eng.backend)
+
+    def compile(self, key: tuple) -> Any:
+        sig = self._weights_sig()
+        with self.lock:
+            if (sig, key) in self.ready:
+                return self.ready[(sig, key)]
+        prog = self._lower(key).compile()
+        with self.lock:
+            self.ready[(sig, key)] = prog
+        return prog
+
+    def compile_startup(self, max_bs: int, progress: bool = True) -> int:
+        from tqdm.auto import tqdm
+
+        keys = self.startup_keys(max_bs)
+        bar = tqdm(keys, unit="program", disable=not progress, desc="compiling start-up programs")
+        for key in bar:
+            bar.set_postfix_str("/".join(map(str, key)))
+            self.compile(key)
+        bar.close()
+        return len(keys)
+
+    def start_background(self) -> None:
+        """Compiles background_keys() in a low-priority thread (stopped by stop())."""
+        keys = self.background_keys()
+        self.background_total = len(keys)
+
+        def run():
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            except (AttributeError, OSError):
+                pass
+            t = time.perf_counter()
+            for key in keys:
+                if self._stop:
+                    return
+                try:
+                    self.compile(key)
+                except Exception:  # noqa: BLE001 - a failed background compile only costs speed
+                    logger.exception("background compile of %s failed", key)
+                self.background_done += 1
+            logger.info("compiled %d background programs in %.0f s", len(keys), time.perf_counter() - t)
+
+        self._thread = threading.Thread(target=run, name="jaxspec-compile", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+
+    # ---- choosing ------------------------------------------------------------------------------
+
+    def _have(self) -> list[tuple]:
+        sig = self._weights_sig()
+        with self.lock:
+            return [k for (g, k) in self.ready if g == sig]
+
+    def get(self, key: tuple) -> Callable:
+        """The compiled program for exactly `key`, compiling it now if needed (counted)."""
+        sig = self._weights_sig()
+        with self.lock:
+            prog = self.ready.get((sig, key))
+        if prog is None:
+            if not self.lazy:
+                logger.warning("no compiled program covers %s: compiling it now (this request waits)", key)
+            self.compiles_on_demand += 1
+            prog = self.compile(key)
+        return prog
+
+    def dispatch_key(self, n_act: int, span: int) -> tuple:
+        """The cheapest compiled ("dispatch", n', span') with n' >= n_act and span' >= span."""
+        exact = ("dispatch", n_act, span)
+        have = [k for k in self._have() if k[0] == "dispatch" and k[1] >= n_act and k[2] >= span]
+        if self.lazy or exact in have or not have:
+            return exact
+        return min(have, key=lambda k: k[1] * (1024 + k[2]))
+
+    def finish_sizes(self) -> list[int]:
+        return sorted(k[1] for k in self._have() if k[0] == "finish")
+
+    def prefill_plan(self, n: int, length: int) -> tuple[int, list[tuple]] | None:
+        """(C, chunk keys) to prefill n prompts of at most `length` tokens, or None if no compiled
+        programs do it. Prefers the ideal chunk (the prompt's power of two, at most the prefill
+        chunk size) and the smallest spans."""
+        s = self.sched
+        top = self.chunk_sizes()[-1]
+        ideal = min(top, max(PREFILL_CHUNK_MIN, 1 << max(length - 1, 1).bit_length()))
+        have = {k for k in self._have() if k[0] == "chunk" and k[1] == n}
+        options = [ideal] + [c for c in sorted({k[2] for k in have}) if c != ideal]
+        for c in options:
+            keys = []
+            for i in range(-(-length // c)):
+                need = s._span(i * c + c)
+                cands = [k for k in have if k[2] == c and k[3] >= need]
+                if self.lazy:
+                    cands = [("chunk", n, c, need)]
+                if not cands:
+                    break
+                keys.append(min(cands, key=lambda k: k[3]))
+            else:
+                return c, keys
+        return None
