@@ -69,10 +69,16 @@ class SamplingParams:
         if d is not None and not isinstance(d, dict):
             raise JaxspecError(f"sampling parameters must be a dict, got {type(d).__name__}")
         fields = {f.name for f in dataclasses.fields(cls)}
-        kw = {}
-        for k, v in (d or {}).items():
-            k = cls.ALIASES.get(k, k)
+        kw, spelled = {}, {}
+        for given, v in (d or {}).items():
+            k = cls.ALIASES.get(given, given)
+            if v is not None:
+                if k in spelled:  # an alias and its field (max_tokens and max_new_tokens): which one is meant?
+                    raise JaxspecError(f"invalid sampling parameter: {spelled[k]} and {given} are the same parameter; pass one")
+                spelled[k] = given
             if k == "n":
+                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                    raise JaxspecError(f"invalid sampling parameter: n must be a positive integer, got {v!r}")
                 if v not in (None, 1):
                     raise JaxspecError("n > 1 is not supported yet")
                 continue

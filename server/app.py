@@ -166,14 +166,19 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
 
     async def events(request: Request, req: SchedRequest, q: asyncio.Queue):
         """Scheduler events of one request; cancels it if the client goes away."""
+        checked = time.monotonic()
         try:
             while True:
                 try:
                     e = await asyncio.wait_for(q.get(), timeout=1.0)
                 except asyncio.TimeoutError:
+                    e = None
+                if time.monotonic() - checked >= 1.0:  # also while events keep coming (a non-streaming client is not watched otherwise)
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         sched.cancel(req)
                         return
+                if e is None:
                     continue
                 yield e
                 if e["type"] in ("done", "error"):
@@ -411,6 +416,10 @@ def prometheus_text(sched: Scheduler, model: str) -> str:
         ("num_requests_rejected_total", "counter", "requests refused because the queue was full", st.rejected),
         ("num_requests_failed_total", "counter", "requests ended by an internal error (the server kept running)", st.failed),
         ("num_recoveries_total", "counter", "times the device state was lost and re-created", st.recoveries),
+        ("num_compiles_on_demand_total", "counter", "device programs a request had to wait for (none compiled covered it)",
+         sched.programs.compiles_on_demand),
+        ("background_compile_remaining", "gauge", "program shapes the background compile has yet to reach",
+         max(sched.programs.background_total - sched.programs.background_done, 0)),
         ("prompt_tokens_total", "counter", "prompt tokens of accepted requests", st.prompt_tokens),
         ("generation_tokens_total", "counter", "generated tokens", st.generation_tokens),
         ("gen_throughput", "gauge", "generated tokens per second over the last 10 s", round(st.tokens_per_s(), 3)),

@@ -27,12 +27,13 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jaxspec.engine import bucket
 from jaxspec.sampling import SamplingTensors
 from jaxspec.serving import admit_chunk, admit_finish, dispatch
 
 logger = logging.getLogger("jaxspec.server")
 
-PREFILL_CHUNK_MIN = 64  # the chunk every prompt can always be prefilled with
+SHORT_CHUNK = 64  # the chunk every prompt can always be prefilled with (or --chunked-prefill-size if smaller)
 
 
 def _spec(x):
@@ -74,6 +75,7 @@ class Programs:
         self._stop = False
         self.background_total = 0
         self.background_done = 0
+        self.idle_only = jax.devices()[0].platform == "cpu"  # background compiles only while no request runs
 
     # ---- shapes --------------------------------------------------------------------------------
 
@@ -96,38 +98,43 @@ class Programs:
         return out
 
     def chunk_sizes(self) -> list[int]:
-        top = max(PREFILL_CHUNK_MIN, 1 << (max(self.sched.eng.chunked_prefill_size, 1).bit_length() - 1))
-        out, c = [], PREFILL_CHUNK_MIN
+        """Prefill chunk sizes: powers of two from min(64, top) to top = --chunked-prefill-size rounded up."""
+        top = bucket(self.sched.eng.chunked_prefill_size)
+        out, c = [], min(SHORT_CHUNK, top)
         while c <= top:
             out.append(c)
             c *= 2
         return out
 
+    def chunk_for(self, span: int) -> int:
+        """The prefill chunk whose programs are compiled at `span`: prompts of up to the top chunk are
+        prefilled in one chunk of their own power of two, longer ones in top-size chunks."""
+        return min(span, self.chunk_sizes()[-1])
+
     def startup_keys(self, max_bs: int) -> list[tuple]:
-        """The cover set: short shapes exactly for batch sizes up to max_bs, every other shape
-        through the largest programs (n_act = slots, span = max_len; 64-token chunks at max_len)."""
+        """The cover set: every prompt length's prefill exactly (for one request at a time),
+        decoding exactly at short spans for batch sizes up to max_bs, every other decoding shape
+        through the largest programs (n_act = 1 or slots, span = max_len)."""
         s = self.sched
-        short = [x for x in self.spans() if x <= 512] or self.spans()[:1]
-        keys = [("finish", 1)] + [("chunk", 1, PREFILL_CHUNK_MIN, x) for x in short] + [("chunk", 1, PREFILL_CHUNK_MIN, s.max_len)]
+        spans = self.spans()
+        short = [x for x in spans if x <= 512] or spans[:1]
+        keys = [("finish", 1)] + [("chunk", 1, self.chunk_for(x), x) for x in spans]
         for n in self.sizes(max_bs):
             keys += [("dispatch", n, x) for x in short]
         keys += [("dispatch", 1, s.max_len), ("dispatch", s.slots, s.max_len)]
         return list(dict.fromkeys(keys))
 
     def background_keys(self) -> list[tuple]:
-        """Every other shape, most useful first: short spans and small batches before long and large."""
-        keys = []
-        for x in self.spans():
-            for n in self.sizes():
-                keys.append(("dispatch", n, x))
-            keys.append(("chunk", 1, PREFILL_CHUNK_MIN, x))
-            for c in self.chunk_sizes():
-                if c <= x:
-                    keys.append(("chunk", 1, c, x))
-        for n in self.sizes()[1:]:
+        """Every other shape, most useful first: one request at every span, then every batch size,
+        then admission of several requests at once (bursts of short prompts)."""
+        spans, sizes = self.spans(), self.sizes()
+        keys = [("dispatch", 1, x) for x in spans]
+        keys += [("dispatch", n, x) for x in spans for n in sizes]
+        keys += [("chunk", 1, c, spans[0]) for c in self.chunk_sizes() if c < spans[0]]  # tiny prompts under a large min span
+        for n in sizes[1:]:
             keys.append(("finish", n))
-            keys += [("chunk", n, PREFILL_CHUNK_MIN, x) for x in self.spans() if x <= 512]
-        return list(dict.fromkeys(keys))
+            keys += [("chunk", n, self.chunk_for(x), x) for x in spans if x <= 512]
+        return [k for k in dict.fromkeys(keys) if k not in self._have()]
 
     # ---- compiling -----------------------------------------------------------------------------
 
@@ -189,6 +196,9 @@ class Programs:
             for key in keys:
                 if self._stop:
                     return
+                if self.idle_only:  # on a CPU, compiling takes the cores a request would use: wait for a quiet moment
+                    while not self._stop and not self.sched.idle_for(0.5):
+                        time.sleep(0.1)
                 try:
                     self.compile(key)
                 except Exception:  # noqa: BLE001 - a failed background compile only costs speed
@@ -232,13 +242,13 @@ class Programs:
     def finish_sizes(self) -> list[int]:
         return sorted(k[1] for k in self._have() if k[0] == "finish")
 
-    def prefill_plan(self, n: int, length: int) -> tuple[int, list[tuple]] | None:
+    def prefill_plan(self, n: int, length: int, exact: bool = False) -> tuple[int, list[tuple]] | None:
         """(C, chunk keys) to prefill n prompts of at most `length` tokens, or None if no compiled
         programs do it. Prefers the ideal chunk (the prompt's power of two, at most the prefill
-        chunk size) and the smallest spans."""
+        chunk size) and the smallest spans. exact: the ideal shapes, compiled or not."""
         s = self.sched
-        top = self.chunk_sizes()[-1]
-        ideal = min(top, max(PREFILL_CHUNK_MIN, 1 << max(length - 1, 1).bit_length()))
+        sizes = self.chunk_sizes()
+        ideal = min(sizes[-1], max(sizes[0], bucket(length)))
         have = {k for k in self._have() if k[0] == "chunk" and k[1] == n}
         options = [ideal] + [c for c in sorted({k[2] for k in have}) if c != ideal]
         for c in options:
@@ -246,7 +256,7 @@ class Programs:
             for i in range(-(-length // c)):
                 need = s._span(i * c + c)
                 cands = [k for k in have if k[2] == c and k[3] >= need]
-                if self.lazy:
+                if self.lazy or exact:
                     cands = [("chunk", n, c, need)]
                 if not cands:
                     break

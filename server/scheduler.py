@@ -155,6 +155,7 @@ class Scheduler:
         self.programs = Programs(self, lazy=True)  # server/launch.py compiles ahead and sets lazy=False
         self.error: str | None = None  # set when the scheduler could not recover: the server is down
         self.recovering = False  # True while the device state is being re-created
+        self._last_busy = 0.0  # when idle_for last saw a request
         self.last_recovery: str | None = None  # why the device state was last re-created
 
     # ---- memory plan -------------------------------------------------------------------------
@@ -210,9 +211,10 @@ class Scheduler:
         req.max_new = min(p.max_new_tokens, self.context_length - len(req.ids))
         if self.spec and (p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty):
             req.speculative = False  # penalties: this request decodes plainly (inside the round)
-        stops = self.eng._stop_ids(p)
-        if len(stops) > self.num_stop:
-            raise JaxspecError(f"at most {self.num_stop - len(self.eng._stop_ids(SamplingParams()))} stop token ids per request")
+        with self.tok_lock:  # stop strings are tokenized
+            stops = self.eng._stop_ids(p)
+            if len(stops) > self.num_stop:
+                raise JaxspecError(f"at most {self.num_stop - len(self.eng._stop_ids(SamplingParams()))} stop token ids per request")
         req._stops = stops
         with self.lock:
             if self._stop:
@@ -260,7 +262,16 @@ class Scheduler:
             self.busy.clear()
             for r in left:
                 if not r.finished:
+                    self.stats.aborted += 1
                     self._finish(r, {"type": "abort", "message": "server shutting down"})
+
+    def idle_for(self, seconds: float) -> bool:
+        """Whether no request has been waiting or running for the last `seconds`."""
+        with self.lock:
+            busy = bool(self.waiting or self.busy or self._pending or self._prefilling)
+            if busy:
+                self._last_busy = time.perf_counter()
+        return not busy and time.perf_counter() - self._last_busy >= seconds
 
     @property
     def queue_depth(self) -> int:
@@ -411,10 +422,8 @@ class Scheduler:
     def _new_group(self, reqs: list[Request]) -> dict:
         length = max(len(r.ids) for r in reqs)
         plan = self.programs.prefill_plan(len(reqs), length)
-        if plan is None:  # nothing compiled covers it (compile at first use): the ideal shapes
-            self.programs.lazy, lazy = True, self.programs.lazy
-            plan = self.programs.prefill_plan(len(reqs), length)
-            self.programs.lazy = lazy
+        if plan is None:  # nothing compiled covers it: the ideal shapes, compiled at first use
+            plan = self.programs.prefill_plan(len(reqs), length, exact=True)
         chunk, keys = plan
         n_chunks = len(keys)
         prompt = np.zeros((len(reqs), n_chunks * chunk), np.int32)
@@ -528,6 +537,7 @@ class Scheduler:
     def _advance(self, r: Request, toks, done_code, verify_ct, hist, first=False) -> None:
         if r.finished or r.cancelled:
             return
+        base = len(r.out_ids)
         r.out_ids += toks
         r.known = len(r.ids) + len(r.out_ids)
         if self.spec:
@@ -551,6 +561,7 @@ class Scheduler:
         delta, stop_hit = self._detok(r, final=reason is not None)
         if stop_hit is not None:
             reason = stop_hit
+            toks = r.out_ids[base:]  # the stop string cut the output inside this dispatch's tokens
         if delta or toks:
             r.send({"type": "delta", "text": delta, "ids": toks})
         if reason is not None:
