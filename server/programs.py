@@ -18,6 +18,8 @@ compiled ahead) does a call compile on first use.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import os
 import threading
@@ -27,13 +29,14 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jaxspec.cache import KVCache
 from jaxspec.engine import bucket
 from jaxspec.sampling import SamplingTensors
 from jaxspec.serving import admit_chunk, admit_finish, dispatch
 
 logger = logging.getLogger("jaxspec.server")
 
-SHORT_CHUNK = 64  # the chunk every prompt can always be prefilled with (or --chunked-prefill-size if smaller)
+SHORT_CHUNK = 64  # the smallest prefill chunk (or --chunked-prefill-size if smaller)
 
 
 def _spec(x):
@@ -76,6 +79,7 @@ class Programs:
         self.background_total = 0
         self.background_done = 0
         self.idle_only = jax.devices()[0].platform == "cpu"  # background compiles only while no request runs
+        self.fresh: collections.deque = collections.deque()  # (key, program) compiled in the background, not yet run once
 
     # ---- shapes --------------------------------------------------------------------------------
 
@@ -172,15 +176,53 @@ class Programs:
         return prog
 
     def compile_startup(self, max_bs: int, progress: bool = True) -> int:
+        """Compiles and exercises the cover set (before the scheduler thread starts)."""
         from tqdm.auto import tqdm
 
+        from concurrent.futures import ThreadPoolExecutor
+
         keys = self.startup_keys(max_bs)
-        bar = tqdm(keys, unit="program", disable=not progress, desc="compiling start-up programs")
-        for key in bar:
-            bar.set_postfix_str("/".join(map(str, key)))
-            self.compile(key)
+        bar = tqdm(total=len(keys), unit="program", disable=not progress, desc="compiling start-up programs")
+        # XLA compiles one program on one core (and releases the GIL): compile as many at once as there are cores
+        with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, 8))) as pool:
+            for key, prog in zip(keys, pool.map(self.compile, keys)):
+                self.exercise(key, prog)
+                bar.update(1)
         bar.close()
         return len(keys)
+
+    def exercise(self, key: tuple, prog) -> None:
+        """Runs a compiled program once on the scheduler's batch while no slot is in use (scheduler
+        thread, or before it starts). XLA:CPU sets up a program's kernels when they first run, which
+        would otherwise make the first request of each new shape about twice as slow as the next.
+        The slots used are free: their contents are overwritten when a request is admitted."""
+        s, eng = self.sched, self.sched.eng
+        i32 = jnp.int32
+
+        def params(n):  # row 0 samples (the sampler's draw path), the rest are greedy
+            from jaxspec.sampling import SamplingParams
+
+            return SamplingTensors.build([SamplingParams(temperature=1.0)] + [SamplingParams(temperature=0.0)] * (n - 1), [0] * n)
+
+        if key[0] == "chunk":
+            _, n, c, span = key
+            start = max(min(span, s.max_len) - c, 0)
+            s.batch = prog(eng.params, eng.dparams, s.batch, jnp.arange(n, dtype=i32), jnp.zeros((n, c), i32), jnp.zeros((n, c), i32),
+                           jnp.int32(start), jnp.full((n,), start + c, i32))
+        elif key[0] == "finish":
+            _, n = key
+            s.batch, _ = prog(eng.params, eng.dparams, s.batch, jnp.arange(n, dtype=i32), params(n), jnp.full((n,), 2, i32),
+                              jnp.full((n, s.num_stop), -1, i32), jnp.zeros((n,), bool), jnp.zeros((n, eng.cfg.vocab_size), bool))
+        else:  # slots [0, n_act) decode k rounds from one committed column, with no stop in sight
+            _, n, _span = key
+            b = s.batch
+            fresh = lambda x: dataclasses.replace(x, lengths=x.lengths.at[:n].set(1)) if isinstance(x, KVCache) else x  # noqa: E731
+            core = jax.tree_util.tree_map(fresh, b.core, is_leaf=lambda x: isinstance(x, KVCache))
+            core = dataclasses.replace(core, done=core.done.at[:n].set(False), num_out=core.num_out.at[:n].set(1), base=core.base.at[:n].set(1))
+            st = jax.tree_util.tree_map(lambda full, part: full.at[:n].set(part), b.st, params(n))
+            b = dataclasses.replace(b, core=core, st=st, max_new=b.max_new.at[:n].set(1 << 20), stop_ids=b.stop_ids.at[:n].set(-1))
+            s.batch, _ = prog(eng.params, eng.dparams, b.placed(jax.device_put), jnp.zeros((s.slots,), bool))
+        jax.block_until_ready(s.batch)
 
     def start_background(self) -> None:
         """Compiles background_keys() in a low-priority thread (stopped by stop())."""
@@ -200,7 +242,10 @@ class Programs:
                     while not self._stop and not self.sched.idle_for(0.5):
                         time.sleep(0.1)
                 try:
-                    self.compile(key)
+                    prog = self.compile(key)
+                    with self.sched.lock:  # the scheduler thread runs it once at its next idle moment
+                        self.fresh.append((key, prog))
+                        self.sched.wake.notify()
                 except Exception:  # noqa: BLE001 - a failed background compile only costs speed
                     logger.exception("background compile of %s failed", key)
                 self.background_done += 1

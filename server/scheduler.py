@@ -287,9 +287,16 @@ class Scheduler:
         while True:
             with self.lock:
                 while not self._stop and not self.waiting and not self.busy and not self._pending and not self._prefilling:
+                    if self.programs.fresh:
+                        break
                     self.wake.wait(0.5)
                 if self._stop:
                     return
+                idle = not self.waiting and not self.busy and not self._pending and not self._prefilling
+                fresh = self.programs.fresh.popleft() if idle and self.programs.fresh else None
+            if fresh is not None:  # a program the background compiled: run it once while nothing else runs
+                self._guarded(f"running {fresh[0]} once", [], lambda: self.programs.exercise(*fresh))  # noqa: B023
+                continue
             try:
                 self.step()
             except Exception as e:  # noqa: BLE001 - a bug outside the guarded device calls: start over, keep serving
@@ -655,6 +662,12 @@ def warmup(sched: Scheduler, max_bs: int, progress: bool = True, background: boo
     start-up programs."""
     n = sched.programs.compile_startup(max_bs, progress=progress)
     sched.programs.lazy = False
+    # one short request through the whole path, so that the first client's does not set up the host side
+    r = Request(ids=[1] * 4, params=SamplingParams(max_new_tokens=2 * sched.k + 2, temperature=0.0, ignore_eos=True), emit=lambda e: None)
+    sched.submit(r)
+    sched.run_until_idle()
+    with sched.lock:  # warm-up requests do not count
+        sched.stats = Stats()
     if background:
         sched.programs.start_background()
     return n
