@@ -28,12 +28,19 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 64  # before the per-engine limit (the server keeps a few stop-id columns per slot)
 
 
-def _num(**bounds):
+def finite(**bounds):
     """A finite float (no NaN / Infinity) within bounds (pydantic Field keywords)."""
     return Annotated[float, Field(allow_inf_nan=False, **bounds)]
 
 
-_StopStr = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+# field types shared with the server's request schemas (server/protocol.py)
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+StopStr = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
+Stop = StopStr | Annotated[list[StopStr], Field(max_length=MAX_STOP_STRINGS)] | None
+StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1, description="any 64-bit integer (signed or unsigned)")] | None
+TopK = Annotated[int, Field(ge=-1, le=INT32_MAX, description="-1 = off; otherwise >= 1")]
 
 
 @dataclasses.dataclass
@@ -45,18 +52,18 @@ class SamplingParams:
 
     __pydantic_config__ = ConfigDict(extra="forbid")
 
-    max_new_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 128
-    temperature: _num(ge=0) = 1.0
-    top_p: _num(gt=0, le=1) = 1.0
-    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX, description="-1 = off; otherwise >= 1")] = -1
-    min_p: _num(ge=0, le=1) = 0.0
-    frequency_penalty: _num(ge=-2, le=2) = 0.0
-    presence_penalty: _num(ge=-2, le=2) = 0.0
-    repetition_penalty: _num(gt=0, le=2) = 1.0
-    stop: _StopStr | Annotated[list[_StopStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    max_new_tokens: Count = 128
+    temperature: finite(ge=0) = 1.0
+    top_p: finite(gt=0, le=1) = 1.0
+    top_k: TopK = -1
+    min_p: finite(ge=0, le=1) = 0.0
+    frequency_penalty: finite(ge=-2, le=2) = 0.0
+    presence_penalty: finite(ge=-2, le=2) = 0.0
+    repetition_penalty: finite(gt=0, le=2) = 1.0
+    stop: Stop = None
+    stop_token_ids: StopTokenIds = None
     ignore_eos: bool = False
-    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1, description="any 64-bit integer (signed or unsigned)")] | None = None
+    seed: Seed = None
     skip_special_tokens: bool = True
 
     ALIASES = {"sampling_seed": "seed", "max_tokens": "max_new_tokens"}

@@ -49,8 +49,9 @@ def _sig(tree) -> tuple:
 
 
 # Compiled programs of every Scheduler in this process, so that schedulers over the same model and
-# shapes (a restarted server, tests) share them, as jax.jit's own cache would.
-_COMPILED: dict[tuple, Any] = {}
+# shapes (a restarted server, tests) share them, as jax.jit's own cache would:
+# static signature -> {key: jax Compiled}
+_COMPILED: dict[tuple, dict[tuple, Any]] = {}
 _COMPILED_LOCK = threading.Lock()
 
 
@@ -66,7 +67,6 @@ class Programs:
     def __init__(self, sched, lazy: bool = False):
         self.sched = sched
         self.lazy = lazy  # --disable-cuda-graph: compile on first use only
-        self.ready = _COMPILED  # (static signature, key) -> jax Compiled
         self.lock = _COMPILED_LOCK
         self.compiles_on_demand = 0  # calls that had to wait for a compile
         self._batch_spec = jax.tree_util.tree_map(_spec, sched.batch)
@@ -74,6 +74,8 @@ class Programs:
         eng = sched.eng
         self._static = (eng.graphdef, sched.prop, sched.spec, sched.k, eng.backend, sched.slots, sched.max_len, sched.num_stop,
                         _sig(self._batch_spec), _sig(self._params_spec))
+        self._table_for: Any = None  # the eng.dparams that self._tbl was looked up for
+        self._tbl: dict[tuple, Any] = {}
         self._thread: threading.Thread | None = None
         self._stop = False
         self.background_total = 0
@@ -142,9 +144,16 @@ class Programs:
 
     # ---- compiling -----------------------------------------------------------------------------
 
-    def _weights_sig(self) -> tuple:
-        """Everything a program is specialised on besides its key (the draft's arrays can grow: NGRAM's corpus)."""
-        return self._static + (_sig(self.sched.eng.dparams),)
+    def _table(self) -> dict[tuple, Any]:
+        """The compiled programs (key -> program) for everything a program is specialised on besides
+        its key. Looked up again only when eng.dparams is replaced (NGRAM's corpus grows), not per call."""
+        dparams = self.sched.eng.dparams
+        if self._table_for is not dparams:
+            sig = self._static + (_sig(dparams),)
+            with self.lock:
+                self._tbl = _COMPILED.setdefault(sig, {})
+            self._table_for = dparams
+        return self._tbl
 
     def _lower(self, key: tuple):
         s, eng = self.sched, self.sched.eng
@@ -166,13 +175,13 @@ class Programs:
                                   backend=eng.backend)
 
     def compile(self, key: tuple) -> Any:
-        sig = self._weights_sig()
+        tbl = self._table()
         with self.lock:
-            if (sig, key) in self.ready:
-                return self.ready[(sig, key)]
+            if key in tbl:
+                return tbl[key]
         prog = self._lower(key).compile()
         with self.lock:
-            self.ready[(sig, key)] = prog
+            tbl[key] = prog
         return prog
 
     def compile_startup(self, max_bs: int, progress: bool = True) -> int:
@@ -260,15 +269,15 @@ class Programs:
     # ---- choosing ------------------------------------------------------------------------------
 
     def _have(self) -> list[tuple]:
-        sig = self._weights_sig()
+        tbl = self._table()
         with self.lock:
-            return [k for (g, k) in self.ready if g == sig]
+            return list(tbl)
 
     def get(self, key: tuple) -> Callable:
         """The compiled program for exactly `key`, compiling it now if needed (counted)."""
-        sig = self._weights_sig()
+        tbl = self._table()
         with self.lock:
-            prog = self.ready.get((sig, key))
+            prog = tbl.get(key)
         if prog is None:
             if not self.lazy:
                 logger.warning("no compiled program covers %s: compiling it now (this request waits)", key)

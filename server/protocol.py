@@ -16,18 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from jaxspec.errors import JaxspecError
-from jaxspec.sampling import INT32_MAX, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams, sampling_params_schema
-
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
-Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
-StopStr = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
-Stop = StopStr | Annotated[list[StopStr], Field(max_length=MAX_STOP_STRINGS)] | None
-Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None
-
-
-def _num(**bounds):
-    return Annotated[float, Field(allow_inf_nan=False, **bounds)]
-
+from jaxspec.sampling import INT32_MAX, Count, SamplingParams, Seed, Stop, StopTokenIds, TokenId, TopK, finite, sampling_params_schema
 
 class _Body(BaseModel):
     # unknown fields are kept aside (model_extra) so the app can log them
@@ -48,22 +37,22 @@ def _unsupported(field: str, what: str) -> JaxspecError:
 class _OpenAICommon(_Body):
     model: Annotated[str, Field(max_length=512)] = "default"
     max_tokens: Count | None = None
-    temperature: _num(ge=0) | None = None
-    top_p: _num(gt=0, le=1) | None = None
-    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX, description="-1 or 0 = off")] | None = None
-    min_p: _num(ge=0, le=1) | None = None
+    temperature: finite(ge=0) | None = None
+    top_p: finite(gt=0, le=1) | None = None
+    top_k: TopK | None = None  # 0 is taken as -1 (off), as some clients send it
+    min_p: finite(ge=0, le=1) | None = None
     seed: Seed = None
     stop: Stop = None
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
-    frequency_penalty: _num(ge=-2, le=2) | None = None
-    presence_penalty: _num(ge=-2, le=2) | None = None
-    repetition_penalty: _num(gt=0, le=2) | None = None
+    stop_token_ids: StopTokenIds = None
+    frequency_penalty: finite(ge=-2, le=2) | None = None
+    presence_penalty: finite(ge=-2, le=2) | None = None
+    repetition_penalty: finite(gt=0, le=2) | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: Annotated[int, Field(ge=1, le=INT32_MAX)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, _num()] | None = None
+    logit_bias: dict[str, finite()] | None = None
     speculative: bool = Field(True, description="jaxspec extension: false decodes this request without speculation")
     # accepted, no effect on the output
     user: Annotated[str, Field(max_length=4096)] | None = None

@@ -397,25 +397,34 @@ def test_out_of_memory_is_a_clear_startup_error(model_dirs):
         start(model_dirs, mem_fraction_static=1e-9)
 
 
-def test_sigterm_finishes_inflight_stream(model_dirs):
+def serve_subprocess(flags: list[str]) -> tuple[subprocess.Popen, int]:
+    """`python -m jaxspec.cli serve FLAGS` on a free port, returned once /health answers 200:
+    (the process, with stdout and stderr merged into p.stdout; its port)."""
     port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    p = subprocess.Popen([sys.executable, "-m", "jaxspec.cli", "serve", "--model-path", model_dirs["target"], "--port", str(port),
-                          "--context-length", "512", "--speculative-algorithm", "NONE", "--disable-cuda-graph"],
+    p = subprocess.Popen([sys.executable, "-m", "jaxspec.cli", "serve", "--port", str(port)] + flags,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    t = time.time()
+    while True:
+        if p.poll() is not None:
+            raise AssertionError(p.stdout.read())
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                return p, port
+        except OSError:
+            pass
+        if time.time() - t > 120:
+            p.kill()
+            raise AssertionError("jaxspec serve did not answer /health within 120 s")
+        time.sleep(0.3)
+
+
+def test_sigterm_finishes_inflight_stream(model_dirs):
+    p, port = serve_subprocess(["--model-path", model_dirs["target"], "--context-length", "512", "--speculative-algorithm", "NONE",
+                                "--disable-cuda-graph"])
     try:
-        t = time.time()
-        while True:
-            assert p.poll() is None, p.stdout.read()
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                c.request("GET", "/health")
-                if c.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.time() - t < 120
-            time.sleep(0.3)
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         c.request("POST", "/generate", body=json.dumps({"input_ids": [3, 4], "stream": True,
                                                         "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}}))

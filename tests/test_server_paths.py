@@ -30,11 +30,8 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import types
@@ -42,7 +39,7 @@ import types
 import pytest
 
 from conftest import make_hf_model
-from test_server import KEY, free_port, start
+from test_server import KEY, serve_subprocess, start
 
 S = 3  # speculative_num_steps of the self-drafting server (a chain: topk 1, num_draft_tokens S + 1)
 K = 2  # --num-continuous-decode-steps: rounds per dispatch, i.e. per stream delta
@@ -502,27 +499,11 @@ def test_sigterm_mid_stream_with_speculation(dirs):
     """SIGTERM while a speculative stream is running: the stream completes ([DONE], every token),
     then the server exits without a traceback. The signal provably arrived mid-stream: the client
     had fewer tokens than the final count, and the server finished the request after the signal."""
-    port = free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    p = subprocess.Popen([sys.executable, "-m", "jaxspec.cli", "serve", "--model-path", dirs["target"], "--port", str(port),
-                          "--context-length", str(CTX), "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
-                          dirs["target"], "--speculative-num-steps", str(S), "--speculative-eagle-topk", "1",
-                          "--speculative-num-draft-tokens", str(S + 1), "--num-continuous-decode-steps", str(K),
-                          "--disable-cuda-graph", "--shutdown-timeout", "300"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    p, port = serve_subprocess(["--model-path", dirs["target"], "--context-length", str(CTX), "--speculative-algorithm", "STANDALONE",
+                                "--speculative-draft-model-path", dirs["target"], "--speculative-num-steps", str(S),
+                                "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(S + 1),
+                                "--num-continuous-decode-steps", str(K), "--disable-cuda-graph", "--shutdown-timeout", "300"])
     try:
-        t = time.time()
-        while True:
-            assert p.poll() is None, p.stdout.read()
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                c.request("GET", "/health")
-                if c.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.time() - t < 120
-            time.sleep(0.3)
         n = CTX - 2
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
         t_send = time.perf_counter()
