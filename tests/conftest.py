@@ -25,23 +25,46 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _free_compiled_programs():
-    """Drops JAX's compiled programs after each test module. Every XLA:CPU executable keeps its own
-    memory mappings; the whole suite compiles enough programs to pass the kernel's limit of 65530
-    mappings per process (vm.max_map_count), and LLVM then crashes inside a compile (SIGSEGV).
-    Session-scoped engines stay usable: their functions recompile on next use."""
-    yield
+def _memory_mappings() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+def _drop_compiled_programs() -> None:
     import gc
+    import sys
 
     import jax
 
     jax.clear_caches()
-    import sys
-
     if "server.programs" in sys.modules:
         sys.modules["server.programs"].clear_cache()
     gc.collect()
+
+
+# Every XLA:CPU executable keeps its own memory mappings (a few hundred for a model program); the
+# suite compiles enough programs to pass the kernel's limit of 65530 mappings per process
+# (vm.max_map_count), and LLVM then crashes inside a compile (SIGSEGV). One test module of server
+# tests alone can add 40,000. Session-scoped engines stay usable: their functions recompile on next use.
+MAPPINGS_BEFORE_DROP = 24_000
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs_per_module():
+    """Drops JAX's compiled programs after each test module."""
+    yield
+    _drop_compiled_programs()
+
+
+@pytest.fixture(autouse=True)
+def _free_compiled_programs_when_many():
+    """Drops them after any test that leaves the process with many memory mappings."""
+    yield
+    if _memory_mappings() > MAPPINGS_BEFORE_DROP:
+        _drop_compiled_programs()
 
 
 def make_hf_model(family: str, seed: int = 0, **overrides):
