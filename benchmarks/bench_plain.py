@@ -14,7 +14,6 @@ import statistics
 import time
 
 import numpy as np
-
 from common import copy_bandwidth, jax_read_bandwidth, machine, mtbench_first_turns, synthetic_layers_ms
 
 

@@ -124,7 +124,7 @@ def run_level(port, questions, conc, args):
     tokens = sum(r[2] for r in rows)
     verify = sum(r[3] for r in rows)
     gaps = np.array([g for r in rows for g in r[4]])
-    pct = lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan")  # noqa: E731
+    pct = lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan")
     return dict(concurrency=conc, requests=len(rows), wall_s=wall, tokens=tokens, tok_per_s=tokens / wall,
                 accept=tokens / verify if verify else float("nan"), lat_p50=pct(lat, 50), lat_p90=pct(lat, 90), lat_p99=pct(lat, 99),
                 ttft_p50=pct(ttft, 50), ttft_p99=pct(ttft, 99), gap_p50=pct(gaps, 50), gap_p99=pct(gaps, 99))

@@ -67,7 +67,7 @@ def open_gguf(path: str) -> Source:
     if arch not in ARCHS:
         raise JaxspecError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHS)}")
     model_type, cls = ARCHS[arch]
-    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)
     heads, kv_heads = g("attention.head_count"), g("attention.head_count_kv")
     kv_heads = kv_heads or heads
     tensors = {t.name: t for t in reader.tensors}

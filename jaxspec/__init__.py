@@ -5,4 +5,4 @@ from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "JaxspecError", "SamplingParams", "generate", "__version__"]
+__all__ = ["Engine", "JaxspecError", "SamplingParams", "__version__", "generate"]

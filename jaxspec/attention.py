@@ -7,7 +7,7 @@ prefix_len[b] + offset + t. Visibility of cache column c for query row t:
   otherwise                                 -> hidden
 `local_mask=None` means causal: W = offset + T and row t sees the region up to its own column.
 A verification tree passes its ancestor mask [B, N, N]; a draft tree step passes [B, k, W] over all
-draft-tree tokens so far (DESIGN.md §5) — never a dense [B, N, S] mask.
+draft-tree tokens so far — never a dense [B, N, S] mask.
 
 Backends:
   "xla"     the pure-jnp reference (`pallas_kernels.tree_attention.tree_attention_reference`); any

@@ -43,10 +43,10 @@ def warmup_set(eng, ids, max_new: int, bs: int) -> list[list[list[int]]]:
     """One batch per distinct compiled shape (batch, prompt chunk, chunks, cache length) that running
     `ids` in batches of `bs` will meet, so that a timed pass never compiles and the warm-up costs a
     handful of generations rather than a second full pass."""
-    from jaxspec.engine import bucket
+    from jaxspec.requests import bucket
 
     spec = eng.spec
-    extra = spec.num_draft_tokens + spec.num_steps * spec.eagle_topk + 2 if spec.enabled else 0
+    extra = spec.scratch_tokens
     seen: dict = {}
     for s in range(0, len(ids), bs):
         batch = ids[s : s + bs]
@@ -72,6 +72,9 @@ def _measure(eng, ids, bs, sp):
 
 
 def run_sweep(args) -> list[dict]:
+    import dataclasses
+
+    from jaxspec.args import EngineArgs, from_namespace
     from jaxspec.engine import Engine
     from jaxspec.loader import load
     from jaxspec.sharding import make_mesh
@@ -80,10 +83,10 @@ def run_sweep(args) -> list[dict]:
         questions = mtbench_first_turns(args.prompts)
     except JaxspecError:
         questions = (FALLBACK_PROMPTS * args.prompts)[: args.prompts]
-    base = dict(dtype=args.dtype, context_length=args.context_length, chunked_prefill_size=args.chunked_prefill_size, tp_size=args.tp_size,
-                attention_backend=args.attention_backend, random_seed=args.random_seed, log_level=args.log_level, show_progress=False)
+    flags = from_namespace(EngineArgs, args)
     loaded = load(args.model_path, args.dtype, args.tokenizer_path, progress=True, mesh=make_mesh(args.tp_size))
-    plain = Engine(_loaded=loaded, max_running_requests=max(args.batch_size), speculative_algorithm="NONE", **base)
+    plain = Engine(dataclasses.replace(flags, max_running_requests=max(args.batch_size), speculative_algorithm="NONE"),
+                   _loaded=loaded, show_progress=False)
     ids = [plain._encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in questions]
     sp = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
     knob_lists = (args.steps, args.topk, args.num_draft_tokens)
@@ -116,10 +119,10 @@ def run_sweep(args) -> list[dict]:
         if not args.speculative_algorithm or args.speculative_algorithm.upper() == "NONE":
             continue
         for steps, topk, n in combos:
-            spec_kw = {k: v for k, v in vars(args).items() if k.startswith("speculative_")}
-            spec_kw.update(speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=n)
+            shape = dataclasses.replace(flags, max_running_requests=bs, speculative_num_steps=steps, speculative_eagle_topk=topk,
+                                        speculative_num_draft_tokens=n)
             try:
-                eng = Engine(_loaded=loaded, max_running_requests=bs, **base, **spec_kw)
+                eng = Engine(shape, _loaded=loaded, show_progress=False)
             except JaxspecError as e:
                 print(f"skip steps={steps} topk={topk} N={n}: {e}")
                 continue

@@ -39,11 +39,11 @@ class KVCache:
     sharding: object = dataclasses.field(default=None, metadata=dict(static=True))  # NamedSharding of k, v (tensor parallel) or None
 
     @classmethod
-    def create(cls, cfg: ModelConfig, batch: int, max_len: int, dtype, sharding=None) -> "KVCache":
+    def create(cls, cfg: ModelConfig, batch: int, max_len: int, dtype, sharding=None) -> KVCache:
         """Zeroed buffers. sharding: where k and v live (tensor parallel: jaxspec/sharding.py
         kv_sharding; lengths are then replicated on its mesh); None = the default device."""
         shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-        z = lambda: tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(cfg.num_layers))  # noqa: E731
+        z = lambda: tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(cfg.num_layers))
         lengths = jnp.zeros((batch,), jnp.int32, device=None if sharding is None else NamedSharding(sharding.mesh, P()))
         return cls(z(), z(), lengths, sharding=sharding)
 
@@ -51,7 +51,7 @@ class KVCache:
     def max_len(self) -> int:
         return self.k[0].shape[1]
 
-    def write(self, layer: int, k_new: jax.Array, v_new: jax.Array, start: jax.Array) -> "KVCache":
+    def write(self, layer: int, k_new: jax.Array, v_new: jax.Array, start: jax.Array) -> KVCache:
         """Writes k_new/v_new [B, T, Hkv, D] at positions start[b] + t of `layer`.
 
         Positions past max_len are dropped (padding of a chunked prefill)."""
@@ -60,17 +60,17 @@ class KVCache:
         cols = start[:, None] + jnp.arange(t)[None, :]  # [B, T]
         k = self.k[layer].at[rows, cols].set(k_new.astype(self.k[layer].dtype), mode="drop")
         v = self.v[layer].at[rows, cols].set(v_new.astype(self.v[layer].dtype), mode="drop")
-        put = lambda t, x: t[:layer] + (x,) + t[layer + 1 :]  # noqa: E731
+        put = lambda t, x: t[:layer] + (x,) + t[layer + 1 :]
         return dataclasses.replace(self, k=put(self.k, k), v=put(self.v, v))
 
-    def commit_path(self, path: jax.Array) -> "KVCache":
+    def commit_path(self, path: jax.Array) -> KVCache:
         """Moves the KV at columns lengths + path[:, i] to lengths + i (an accepted tree path
         becomes contiguous). path: [B, T] node indices relative to lengths; lengths unchanged."""
         b, t = path.shape
         rows = self._rows(b)
         src = self.lengths[:, None] + path
         dst = self.lengths[:, None] + jnp.arange(t)[None, :]
-        move = lambda x: x.at[rows, dst].set(x[rows, src], mode="drop")  # noqa: E731
+        move = lambda x: x.at[rows, dst].set(x[rows, src], mode="drop")
         return dataclasses.replace(self, k=tuple(map(move, self.k)), v=tuple(map(move, self.v)))
 
     def _rows(self, b: int):
@@ -88,16 +88,16 @@ class KVCache:
             k, v = k[:, : self.span], v[:, : self.span]
         return k, v
 
-    def view(self, rows: jax.Array, span: int | None = None, prefix: bool = False) -> "KVCache":
+    def view(self, rows: jax.Array, span: int | None = None, prefix: bool = False) -> KVCache:
         """The slots `rows` [n] of this (full) cache; attention reads columns [0, span).
         prefix=True promises rows == arange(n) (reads become slices instead of gathers)."""
         return dataclasses.replace(self, lengths=self.lengths[rows], rows=rows, span=span, prefix=prefix)
 
-    def unview(self, view: "KVCache") -> "KVCache":
+    def unview(self, view: KVCache) -> KVCache:
         """This cache with the buffers written through `view` and its slots' lengths."""
         return dataclasses.replace(view, lengths=self.lengths.at[view.rows].set(view.lengths), rows=None, span=None, prefix=False)
 
-    def reset_slots(self, mask: jax.Array) -> "KVCache":
+    def reset_slots(self, mask: jax.Array) -> KVCache:
         """Sets lengths of slots where mask [B] is true to 0 (their KV becomes invisible)."""
         return dataclasses.replace(self, lengths=jnp.where(mask, 0, self.lengths))
 

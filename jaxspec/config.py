@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxspec.args import SpeculativeArgs
 from jaxspec.errors import JaxspecError
 
 # model_type -> architectures class name we accept for it.
@@ -57,9 +58,9 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
         """Builds a config from an HF config dict; raises JaxspecError if unsupported."""
-        mt = d.get("model_type")
+        mt = str(d.get("model_type"))
         archs = d.get("architectures") or [SUPPORTED.get(mt, "?")]
         if mt not in SUPPORTED:
             raise JaxspecError(
@@ -119,7 +120,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_file(cls, path: str) -> "ModelConfig":
+    def from_file(cls, path: str) -> ModelConfig:
         return cls.from_hf(read_json(path))
 
 
@@ -155,52 +156,36 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 # ---- speculative decoding ------------------------------------------------------------------------
 
-SPEC_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-NGRAM_DEFAULT_DRAFT_TOKENS = 12
+NGRAM_DEFAULT_DRAFT_TOKENS = 12  # SGLang's default speculative_num_draft_tokens for NGRAM
 
 
 @dataclasses.dataclass(frozen=True)
 class NgramConfig:
-    """SGLang's `--speculative-ngram-*` flags (same names and defaults), validated."""
+    """SGLang's `--speculative-ngram-*` flags (defaults: jaxspec.args.SpeculativeArgs), validated."""
 
-    min_match_window_size: int = 1
-    max_match_window_size: int = 12
-    min_bfs_breadth: int = 1
-    max_bfs_breadth: int = 10
-    match_type: str = "BFS"  # BFS | PROB
-    branch_length: int = 18
-    capacity: int = 10 * 1000 * 1000
-    force_greedy_verify: bool = False  # SGLang: SGLANG_NGRAM_FORCE_GREEDY_VERIFY; ours: JAXSPEC_NGRAM_FORCE_GREEDY_VERIFY
+    min_match_window_size: int
+    max_match_window_size: int
+    min_bfs_breadth: int
+    max_bfs_breadth: int
+    match_type: str  # BFS | PROB
+    branch_length: int
+    capacity: int
+    force_greedy_verify: bool
 
     @classmethod
-    def build(cls, **kw) -> "NgramConfig":
-        kw = {k: v for k, v in kw.items() if v is not None}
-        if "force_greedy_verify" not in kw:
-            kw["force_greedy_verify"] = os.environ.get("JAXSPEC_NGRAM_FORCE_GREEDY_VERIFY", "0").lower() in ("1", "true", "yes")
-        c = cls(**kw)
-        mt = str(c.match_type).upper()
-        if mt not in ("BFS", "PROB"):
-            raise JaxspecError(f"speculative_ngram_match_type must be BFS or PROB, got {c.match_type!r}")
-        if c.branch_length <= 1:
-            raise JaxspecError(f"speculative_ngram_branch_length must be > 1, got {c.branch_length}")
-        if not 0 < c.min_match_window_size <= c.max_match_window_size < c.branch_length:
-            raise JaxspecError(
-                "need 0 < speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size < "
-                f"speculative_ngram_branch_length, got {c.min_match_window_size}, {c.max_match_window_size}, {c.branch_length}"
-            )
-        if not 0 < c.min_bfs_breadth <= c.max_bfs_breadth:
-            raise JaxspecError(
-                f"need 0 < speculative_ngram_min_bfs_breadth <= speculative_ngram_max_bfs_breadth, got {c.min_bfs_breadth}, {c.max_bfs_breadth}"
-            )
-        if c.capacity < 1:
-            raise JaxspecError(f"speculative_ngram_capacity must be >= 1, got {c.capacity}")
-        return dataclasses.replace(c, match_type=mt)
+    def from_args(cls, a: SpeculativeArgs) -> NgramConfig:
+        a._validate_ngram()
+        return cls(
+            a.speculative_ngram_min_match_window_size, a.speculative_ngram_max_match_window_size, a.speculative_ngram_min_bfs_breadth,
+            a.speculative_ngram_max_bfs_breadth, str(a.speculative_ngram_match_type).upper(), a.speculative_ngram_branch_length,
+            a.speculative_ngram_capacity, a.ngram_force_greedy_verify,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-    """SGLang's `--speculative-*` flags, resolved and validated.
+    """SGLang's `--speculative-*` flags, resolved against the target and validated.
 
     `num_steps` draft forwards build a tree of `num_draft_tokens` (N) nodes, root included, from the
     `eagle_topk` best children per step. Static: it is a jit static argument."""
@@ -213,8 +198,6 @@ class SpecConfig:
     accept_threshold_single: float = 1.0
     accept_threshold_acc: float = 1.0
     token_map: str | None = None
-    draft_model_revision: str | None = None  # accepted for SGLang parity; local paths have no revisions
-    draft_load_format: str | None = None  # accepted for SGLang parity; the format is detected from the files
     ngram: NgramConfig | None = None  # NGRAM only
 
     @property
@@ -225,80 +208,59 @@ class SpecConfig:
     def is_eagle(self) -> bool:
         return self.algorithm in ("EAGLE", "EAGLE3")
 
+    @property
+    def scratch_tokens(self) -> int:
+        """KV-cache columns a round writes past a request's last token: the verified tree
+        (num_draft_tokens) plus the draft's own tree steps (num_steps * eagle_topk), plus 2 for the
+        bonus token and the next round's root."""
+        return 0 if not self.enabled else self.num_draft_tokens + self.num_steps * self.eagle_topk + 2
+
     @classmethod
     def resolve(
         cls,
-        algorithm: str | None,
+        args: SpeculativeArgs | None = None,
         target: ModelConfig | None = None,
-        draft_model_path: str | None = None,
-        num_steps: int | None = None,
-        eagle_topk: int | None = None,
-        num_draft_tokens: int | None = None,
-        accept_threshold_single: float = 1.0,
-        accept_threshold_acc: float = 1.0,
-        token_map: str | None = None,
-        draft_model_revision: str | None = None,
-        draft_load_format: str | None = None,
-        warn: bool = True,
         bundled: tuple[str, str, tuple | None] | None = None,
-        ngram: dict | None = None,
-    ) -> "SpecConfig":
-        """bundled: (algorithm, draft path, tree shape or None) shipped for this target (jaxspec.drafts).
-        It is used when algorithm is unset (None), or is that algorithm without a draft path; "NONE"
-        turns it off. Its tree shape, if any, replaces the auto defaults."""
+        warn: bool = True,
+    ) -> SpecConfig:
+        """The flags applied to a target. bundled: (algorithm, draft path, tree shape or None) the
+        target supplies (a draft shipped for it in jaxspec.drafts, or its own MTP module). It is used
+        when the algorithm is unset (None), or is that algorithm without a draft path; "NONE" turns it
+        off. Its tree shape, if any, replaces the auto defaults."""
         import logging
 
         log = logging.getLogger("jaxspec")
-        if algorithm is None:
-            algorithm = bundled[0] if bundled else "NONE"
-        algo = algorithm.upper()
-        if algo not in SPEC_ALGORITHMS:
-            raise JaxspecError(f"unknown speculative_algorithm {algorithm!r}; choose one of {', '.join(SPEC_ALGORITHMS)}")
-        if algo == "NEXTN":  # SGLang treats NEXTN as EAGLE
-            algo = "EAGLE"
+        a = args or SpeculativeArgs()
+        a.validate()
+        algo = a.algorithm
+        if algo is None:
+            algo = bundled[0] if bundled else "NONE"
         if algo == "NONE":
             return cls()
-        for name, v in (("accept_threshold_single", accept_threshold_single), ("accept_threshold_acc", accept_threshold_acc)):
-            if not 0 < v <= 1:
-                raise JaxspecError(f"speculative_{name} must be in (0, 1], got {v}")
+        single, acc = float(a.speculative_accept_threshold_single), float(a.speculative_accept_threshold_acc)
+        num_steps, eagle_topk, num_draft_tokens = a.tree_knobs
         if algo == "NGRAM":
             # No draft model; the tree comes from n-gram matches. Depth is bounded by N - 1, which
             # plays num_steps' part (verification walk, histogram); topk has no meaning here.
-            ng = NgramConfig.build(**(ngram or {}))
             n = NGRAM_DEFAULT_DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens
-            if n < 2:
-                raise JaxspecError(f"speculative_num_draft_tokens must be >= 2 for NGRAM, got {n}")
             if warn and (num_steps is not None or eagle_topk is not None):
                 log.warning("speculative_num_steps / speculative_eagle_topk are ignored for NGRAM (the tree has speculative_num_draft_tokens nodes)")
-            return cls("NGRAM", None, n - 1, 1, n, float(accept_threshold_single), float(accept_threshold_acc), ngram=ng)
-        shipped_tree = None
+            return cls("NGRAM", None, n - 1, 1, n, single, acc, ngram=NgramConfig.from_args(a))
+        draft_model_path, shipped_tree = a.speculative_draft_model_path, None
         if draft_model_path is None and bundled and bundled[0] == algo:
             draft_model_path, shipped_tree = bundled[1], bundled[2]
         if draft_model_path is None:
             hint = " (or a target checkpoint that carries an MTP module)" if algo == "EAGLE" else ""
             raise JaxspecError(f"speculative_algorithm={algo} needs speculative_draft_model_path{hint}")
-        knobs = (num_steps, eagle_topk, num_draft_tokens)
-        if all(k is None for k in knobs) and shipped_tree is not None:
-            num_steps, eagle_topk, num_draft_tokens = shipped_tree
-        elif all(k is None for k in knobs):
-            llama = target is not None and target.model_type in LLAMA_FAMILY and algo != "STANDALONE"
-            num_steps, eagle_topk, num_draft_tokens = (5, 4, 8) if llama else (3, 1, 4)
-        elif any(k is None for k in knobs):
-            raise JaxspecError(
-                "set all three of speculative_num_steps, speculative_eagle_topk and speculative_num_draft_tokens, "
-                "or none of them (auto defaults)"
-            )
-        if num_steps < 1 or eagle_topk < 1 or num_draft_tokens < 2:
-            raise JaxspecError("need speculative_num_steps >= 1, speculative_eagle_topk >= 1 and speculative_num_draft_tokens >= 2")
+        if num_steps is None or eagle_topk is None or num_draft_tokens is None:  # validate(): all three or none
+            if shipped_tree is not None:
+                num_steps, eagle_topk, num_draft_tokens = shipped_tree
+            else:
+                llama = target is not None and target.model_type in LLAMA_FAMILY and algo != "STANDALONE"
+                num_steps, eagle_topk, num_draft_tokens = (5, 4, 8) if llama else (3, 1, 4)
         if eagle_topk == 1 and num_draft_tokens != num_steps + 1:
             if warn:
                 msg = "speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 = %d when speculative_eagle_topk == 1"
                 log.warning(msg, num_steps + 1)
             num_draft_tokens = num_steps + 1
-        if num_draft_tokens > 1 + num_steps * eagle_topk:
-            raise JaxspecError(
-                f"speculative_num_draft_tokens={num_draft_tokens} is more than 1 + num_steps * topk = "
-                f"{1 + num_steps * eagle_topk}; lower it or raise speculative_num_steps / speculative_eagle_topk"
-            )
-        return cls(algo, draft_model_path, num_steps, eagle_topk, num_draft_tokens, float(accept_threshold_single),
-                   float(accept_threshold_acc), token_map, draft_model_revision, draft_load_format)
+        return cls(algo, draft_model_path, num_steps, eagle_topk, num_draft_tokens, single, acc, a.speculative_token_map)

@@ -5,8 +5,8 @@
     eng.generate(["a", "b"], {...})                            # -> list of dicts
     eng.chat([{"role": "user", "content": "hi"}], {...})      # applies the chat template
 
-A result is {"text", "output_ids", "meta_info"}; meta_info holds prompt_tokens, completion_tokens,
-finish_reason, e2e_latency, spec_verify_ct and spec_accept_length.
+A result is {"text", "output_ids", "meta_info"} (jaxspec/requests.py); meta_info holds prompt_tokens,
+completion_tokens, finish_reason, e2e_latency, spec_verify_ct and spec_accept_length.
 
 Shapes are bucketed (batch, prompt chunk, cache length, output buffer -> powers of two) so that
 repeated calls reuse compiled programs.
@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -27,146 +26,143 @@ import numpy as np
 from flax import nnx
 
 from jaxspec import compile_cache
+from jaxspec.args import EngineArgs
 from jaxspec.attention import resolve_backend
 from jaxspec.cache import KVCache
 from jaxspec.config import SpecConfig
-from jaxspec.decode import LENGTH, STOPPED, decode, prefill_chunk
+from jaxspec.decode import decode, prefill_chunk
 from jaxspec.errors import JaxspecError
 from jaxspec.loader import LoadedModel, jnp_dtype, load
+from jaxspec.requests import (
+    bucket,
+    check_prompt,
+    cut_at_stop_string,
+    draft_prompt,
+    finish_reason,
+    make_result,
+    stop_token_ids,
+)
 from jaxspec.sampling import SamplingParams, SamplingTensors
 from jaxspec.sharding import check_heads, kv_sharding, make_mesh, replicate, shard_params
+from jaxspec.speculative.proposers.base import Proposer
+
+if TYPE_CHECKING:
+    from jaxspec.speculative.proposers.ngram import Corpus
 
 logger = logging.getLogger("jaxspec")
 
-def bucket(n: int, lo: int = 1) -> int:
-    """Smallest power of two >= max(n, lo)."""
-    return 1 << max(int(math.ceil(math.log2(max(n, lo, 1)))), 0)
+# the public API's types
+SamplingArg = SamplingParams | dict[str, Any] | None  # SGLang's sampling_params dict, or SamplingParams
+Conversation = list[dict[str, str]]  # [{"role": "user", "content": "hi"}, ...]
+Result = dict[str, Any]  # {"text", "output_ids", "meta_info"}
 
+DEFAULT_BATCH = 8  # max_running_requests when unset (the server instead sizes it to memory)
 
 class Engine:
+    """The offline engine. Takes the flags of `jaxspec generate` as keyword arguments (their names
+    with underscores: jaxspec.args.EngineArgs), or one EngineArgs; the model path may come first.
+
+    skip_tokenizer_init: no tokenizer (input_ids in, output_ids out); show_progress: loading bars."""
+
     def __init__(
         self,
-        model_path: str | None = None,
-        dtype: str = "float32",
-        tokenizer_path: str | None = None,
+        model_path: str | EngineArgs | None = None,
+        *,
         skip_tokenizer_init: bool = False,
-        context_length: int | None = None,
-        max_running_requests: int = 8,
-        chunked_prefill_size: int = 512,
-        attention_backend: str | None = None,
-        random_seed: int = 0,
-        tp_size: int = 1,
-        speculative_algorithm: str | None = None,
-        speculative_draft_model_path: str | None = None,
-        speculative_num_steps: int | None = None,
-        speculative_eagle_topk: int | None = None,
-        speculative_num_draft_tokens: int | None = None,
-        speculative_accept_threshold_single: float = 1.0,
-        speculative_accept_threshold_acc: float = 1.0,
-        speculative_token_map: str | None = None,
-        speculative_draft_model_revision: str | None = None,
-        speculative_draft_load_format: str | None = None,
-        speculative_ngram_min_match_window_size: int = 1,
-        speculative_ngram_max_match_window_size: int = 12,
-        speculative_ngram_min_bfs_breadth: int = 1,
-        speculative_ngram_max_bfs_breadth: int = 10,
-        speculative_ngram_match_type: str = "BFS",
-        speculative_ngram_branch_length: int = 18,
-        speculative_ngram_capacity: int = 10 * 1000 * 1000,
-        speculative_ngram_force_greedy_verify: bool | None = None,
-        log_level: str = "warning",
         show_progress: bool = True,
         _loaded: LoadedModel | None = None,
+        **kwargs: Any,
     ):
-        logging.basicConfig(level=log_level.upper())
-        logger.setLevel(log_level.upper())
+        if isinstance(model_path, EngineArgs):
+            if kwargs:
+                raise JaxspecError(f"pass either an EngineArgs or keyword arguments, not both (got {', '.join(sorted(kwargs))})")
+            args = model_path
+        else:
+            args = EngineArgs.from_kwargs({**kwargs, **({} if model_path is None else {"model_path": model_path})})
+        self.args = args
+        logging.basicConfig(level=args.log_level.upper())
+        logger.setLevel(args.log_level.upper())
         compile_cache.enable()
-        spec_args = dict(
-            draft_model_path=speculative_draft_model_path, num_steps=speculative_num_steps, eagle_topk=speculative_eagle_topk,
-            num_draft_tokens=speculative_num_draft_tokens, accept_threshold_single=speculative_accept_threshold_single,
-            accept_threshold_acc=speculative_accept_threshold_acc, token_map=speculative_token_map,
-            draft_model_revision=speculative_draft_model_revision, draft_load_format=speculative_draft_load_format,
-            ngram=dict(min_match_window_size=speculative_ngram_min_match_window_size, max_match_window_size=speculative_ngram_max_match_window_size,
-                       min_bfs_breadth=speculative_ngram_min_bfs_breadth, max_bfs_breadth=speculative_ngram_max_bfs_breadth,
-                       match_type=speculative_ngram_match_type, branch_length=speculative_ngram_branch_length,
-                       capacity=speculative_ngram_capacity, force_greedy_verify=speculative_ngram_force_greedy_verify),
-        )
-        # Fail fast on bad flags, before loading. The draft path may still come from the target: a
-        # shipped EAGLE3 draft, or (EAGLE / NEXTN) an MTP module inside the target's checkpoint.
-        algo = None if speculative_algorithm is None else str(speculative_algorithm).upper().replace("NEXTN", "EAGLE")
-        early = (algo, "<from the target>", None) if algo in ("EAGLE", "EAGLE3") else None
-        SpecConfig.resolve(speculative_algorithm, None, warn=False, bundled=early, **spec_args)
+        args.validate()  # fail fast on bad flags, before loading
         try:
-            attention_backend = resolve_backend(attention_backend)
+            attention_backend = resolve_backend(args.attention_backend)
         except ValueError as e:
             raise JaxspecError(str(e)) from None
-        if max_running_requests < 1 or chunked_prefill_size < 1:
-            raise JaxspecError("max_running_requests and chunked_prefill_size must be >= 1")
-        self.tp_size = tp_size
-        self.mesh = make_mesh(tp_size)  # None for tp_size 1
+        self.tp_size = args.tp_size
+        self.mesh = make_mesh(args.tp_size)  # None for tp_size 1
         if _loaded is None:
-            _loaded = load(model_path, dtype, tokenizer_path, progress=show_progress, with_tokenizer=not skip_tokenizer_init, mesh=self.mesh)
+            _loaded = load(args.model_path, args.dtype, args.tokenizer_path, progress=show_progress,
+                           with_tokenizer=not skip_tokenizer_init, mesh=self.mesh)
         self.loaded = _loaded
         self.cfg = _loaded.cfg
-        self.tokenizer = _loaded.tokenizer
-        self.dtype = jnp_dtype(dtype)
+        self.tokenizer: Any = _loaded.tokenizer  # a transformers tokenizer, or None
+        self.dtype = jnp_dtype(args.dtype)
+        self.params: Any
         self.graphdef, self.params = nnx.split(_loaded.model)
-        check_heads(self.cfg, tp_size)
+        check_heads(self.cfg, args.tp_size)
         self.kv_sharding = kv_sharding(self.mesh)
         self.params = shard_params(self.params, self.mesh)
-        self.context_length = int(context_length or self.cfg.max_position_embeddings)
+        self.context_length = int(args.context_length or self.cfg.max_position_embeddings)
         if self.context_length < 2:
             raise JaxspecError(f"context_length must be >= 2, got {self.context_length}")
-        self.max_running_requests = max_running_requests
-        self.chunked_prefill_size = chunked_prefill_size
+        self.max_running_requests = args.max_running_requests or DEFAULT_BATCH
+        self.chunked_prefill_size = args.chunked_prefill_size
         self.backend = attention_backend
-        self.spec = SpecConfig.resolve(speculative_algorithm, self.cfg, bundled=_draft_from_target(_loaded, algo), **spec_args)
+        self.spec = SpecConfig.resolve(args, self.cfg, bundled=_draft_from_target(_loaded, args.algorithm))
         self.speculative_algorithm = self.spec.algorithm
-        self._spec_auto = speculative_algorithm is None and self.spec.enabled  # a shipped draft, not the user's choice
-        self.proposer = self.dparams = None
+        self._spec_auto = args.speculative_algorithm is None and self.spec.enabled  # a shipped draft, not the user's choice
+        self.proposer: Proposer | None = None
+        self.dparams: dict[str, Any] | None = None
         if self.spec.enabled:
-            from jaxspec.spec.proposers import load_proposer
+            from jaxspec.speculative.proposers import load_proposer
 
-            self.proposer, self.dparams = load_proposer(self.spec, _loaded, dtype, show_progress)
+            self.proposer, self.dparams = load_proposer(self.spec, _loaded, args.dtype, show_progress)
             self.proposer = dataclasses.replace(self.proposer, attention_backend=attention_backend)
             self.dparams = replicate(self.dparams, self.mesh)
-        self._corpus = None
+        self._corpus: Corpus | None = None
         if self.spec.algorithm == "NGRAM":
             self.reset_ngram_corpus()
-        self._rng = np.random.default_rng(random_seed)
+        self._rng = np.random.default_rng(args.random_seed)
 
     @classmethod
-    def from_model(cls, model, tokenizer=None, **kwargs) -> "Engine":
+    def from_model(cls, model, tokenizer=None, **kwargs) -> Engine:
         """An engine over an in-memory `LlamaForCausalLM` (tests, notebooks)."""
         loaded = LoadedModel(model.cfg, model, tokenizer, "<memory>", "memory")
         return cls(_loaded=loaded, **kwargs)
 
     # ---- public API -------------------------------------------------------------------------
 
-    def generate(self, prompt=None, sampling_params=None, input_ids=None):
-        """prompt: str | list[str]; or input_ids: list[int] | list[list[int]]. Returns dict | list[dict]."""
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: SamplingArg | list[SamplingArg] = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+    ) -> Result | list[Result]:
+        """prompt: str | list[str]; or input_ids: list[int] | list[list[int]]. Returns dict | list[dict]
+        (one per prompt; see the module docstring); sampling_params: one for all prompts, or one each."""
         if (prompt is None) == (input_ids is None):
             raise JaxspecError("pass exactly one of prompt or input_ids")
         single = isinstance(prompt, str) or (input_ids is not None and (len(input_ids) == 0 or isinstance(input_ids[0], (int, np.integer))))
         if prompt is not None:
-            prompts = [prompt] if single else list(prompt)
+            prompts: list = [prompt] if single else list(prompt)
             if not all(isinstance(p, str) for p in prompts):
                 raise JaxspecError("prompt must be a string or a list of strings")
             ids = [self._encode(p) for p in prompts]
         else:
-            ids = [list(input_ids)] if single else [list(x) for x in input_ids]
+            given: list = list(input_ids or [])
+            ids = [given] if single else [list(x) for x in given]
         results = self._generate_ids(ids, sampling_params)
         return results[0] if single else results
 
-    def chat(self, messages, sampling_params=None):
+    def chat(self, messages: Conversation | list[Conversation], sampling_params: SamplingArg | list[SamplingArg] = None) -> Result | list[Result]:
         """messages: one conversation (list of {"role", "content"}) or a list of conversations."""
         single = bool(messages) and isinstance(messages[0], dict)
-        convs = [messages] if single else list(messages)
+        convs: list = [messages] if single else list(messages)
         ids = [self._encode(self.apply_chat_template(c), add_special_tokens=False) for c in convs]
         results = self._generate_ids(ids, sampling_params)
         return results[0] if single else results
 
-    def apply_chat_template(self, messages) -> str:
+    def apply_chat_template(self, messages: Conversation) -> str:
         tok = self._need_tokenizer()
         if not getattr(tok, "chat_template", None):
             raise JaxspecError("this model's tokenizer has no chat template; use generate() with a raw prompt")
@@ -175,15 +171,16 @@ class Engine:
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def reset_ngram_corpus(self, reserve: int = 4096) -> None:
-        """NGRAM: empties the n-gram text shared by all requests (spec/proposers/ngram.py). Its device
+        """NGRAM: empties the n-gram text shared by all requests (speculative/proposers/ngram.py). Its device
         copy is padded to a power of two of at least `reserve` tokens; each larger size recompiles
         the round, so a reserve that holds the whole workload compiles once."""
-        from jaxspec.spec.proposers.ngram import Corpus
+        from jaxspec.speculative.proposers.ngram import Corpus
 
         if self.spec.algorithm != "NGRAM":
             raise JaxspecError("reset_ngram_corpus needs speculative_algorithm='NGRAM'")
+        assert self.spec.ngram is not None
         self._corpus = Corpus(self.spec.ngram.capacity, reserve=reserve)
-        self.dparams = {**self.dparams, "corpus": self._corpus.device()}
+        self.dparams = {**(self.dparams or {}), "corpus": self._corpus.device()}
 
     def shutdown(self) -> None:
         """Releases device buffers (SGLang API parity)."""
@@ -213,43 +210,33 @@ class Engine:
             spec_on = False  # the shipped draft was chosen for the user: fall back to plain decoding
             logger.info("penalties requested: decoding this batch without speculation")
         for i, x in enumerate(ids):
-            if len(x) == 0:
-                raise JaxspecError(f"prompt {i} is empty")
-            if len(x) >= self.context_length:
-                raise JaxspecError(f"prompt {i} has {len(x)} tokens, which does not fit context_length={self.context_length}")
-            if min(x) < 0 or max(x) >= self.cfg.vocab_size:
-                raise JaxspecError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size})")
+            check_prompt(x, self.context_length, self.cfg.vocab_size, name=f"prompt {i}")
         out = []
         n = self.max_running_requests
         for s in range(0, len(ids), n):
             out += self._run_batch(ids[s : s + n], params[s : s + n], spec_on)
         return out
 
-    def _stop_ids(self, p: SamplingParams) -> list[int]:
-        stop = [] if p.ignore_eos else list(self.cfg.eos_token_ids)
-        if not p.ignore_eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            stop.append(self.tokenizer.eos_token_id)
-        stop += list(p.stop_token_ids or [])
-        for s in p.stop_strings:  # a stop string that is a single token stops generation on device
-            if self.tokenizer is not None:
-                t = self.tokenizer.encode(s, add_special_tokens=False)
-                if len(t) == 1:
-                    stop.append(t[0])
-        return sorted(set(stop))
+    def feed_ngram_corpus(self, sequences: list[list[int]]) -> None:
+        """NGRAM: appends finished requests (prompt + output ids) to the shared n-gram text."""
+        if self._corpus is None:
+            return
+        self._corpus.add(sequences)
+        self.dparams = {**(self.dparams or {}), "corpus": self._corpus.device()}
 
     def _run_batch(self, ids: list[list[int]], params: list[SamplingParams], spec_on: bool) -> list[dict]:
         t0 = time.perf_counter()
         n = len(ids)
         b = min(bucket(n), max(self.max_running_requests, n))
         lens = [len(x) for x in ids]
-        max_new = [min(p.max_new_tokens, self.context_length - l) for p, l in zip(params, lens)]
+        max_new = [min(p.max_new_tokens, self.context_length - n_in) for p, n_in in zip(params, lens)]
         buf = bucket(max(max_new + [1]), 16)
         longest = max(lens)
         chunk = min(bucket(self.chunked_prefill_size), bucket(longest, 16))
         n_chunks = -(-longest // chunk)
-        extra = 0 if not spec_on else self.spec.num_draft_tokens + self.spec.num_steps * self.spec.eagle_topk + 2
-        s_len = bucket(max(l + m for l, m in zip(lens, max_new)) + extra, 64)
-        stops = [self._stop_ids(p) for p in params]
+        extra = self.spec.scratch_tokens if spec_on else 0
+        s_len = bucket(max(n_in + m for n_in, m in zip(lens, max_new)) + extra, 64)
+        stops = [stop_token_ids(self.cfg, self.tokenizer, p) for p in params]
         k = bucket(max(len(s) for s in stops), 4)
         seeds = [p.seed if p.seed is not None else int(self._rng.integers(2**31)) for p in params]
 
@@ -280,22 +267,19 @@ class Engine:
             out, num_out, finish = jax.device_get((out, num_out, finish))
             verify_ct, hist = num_out, None
         latency = time.perf_counter() - t0
-        if self._corpus is not None and spec_on:  # finished requests feed the shared n-gram text
-            self._corpus.add(list(x) + list(map(int, out[i, : num_out[i]])) for i, x in enumerate(ids))
-            self.dparams = {**self.dparams, "corpus": self._corpus.device()}
+        if spec_on:  # finished requests feed the shared n-gram text
+            self.feed_ngram_corpus([list(x) + list(map(int, out[i, : num_out[i]])) for i, x in enumerate(ids)])
         return [
             self._result(list(map(int, out[i, : num_out[i]])), int(finish[i]), lens[i], params[i], latency, int(verify_ct[i]), None if hist is None else hist[i])
             for i in range(n)
         ]
 
     def _spec_batch(self, cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks):
-        from jaxspec.spec.loop import spec_decode, spec_prefill_chunk
+        from jaxspec.speculative.loop import spec_decode, spec_prefill_chunk
 
         prop, b = self.proposer, prompt.shape[0]
         dcache = replicate(prop.make_cache(b, cache.max_len, self.dtype), self.mesh)
-        shifted = np.zeros_like(prompt)
-        shifted[:, : prompt.shape[1] - prop.shift] = prompt[:, prop.shift :]
-        dprompt = jnp.asarray(shifted)
+        dprompt = jnp.asarray(draft_prompt(prompt, prop.shift))
         feat_dim = (3 if prop.capture_layers else 1) * self.cfg.hidden_size if prop.uses_hidden else 1
         last_feat = replicate(jnp.zeros((b, feat_dim), self.dtype), self.mesh)
         for c in range(n_chunks):
@@ -309,48 +293,20 @@ class Engine:
         return jax.device_get(res)
 
     def _result(self, out_ids, finish, prompt_len, p: SamplingParams, latency, verify_ct, hist) -> dict[str, Any]:
-        if finish == STOPPED:
-            reason = {"type": "stop", "matched": out_ids[-1]}
-        elif finish == LENGTH:
-            reason = {"type": "length", "length": len(out_ids)}
-        else:  # pragma: no cover - the loop only exits when every slot finished
+        reason = finish_reason(finish, out_ids)
+        if reason is None:  # pragma: no cover - the loop only exits when every slot finished
             raise RuntimeError("decode loop returned an unfinished request")
         text = None
         if self.tokenizer is not None:
-            decode_ids = lambda x: self.tokenizer.decode(x, skip_special_tokens=p.skip_special_tokens)  # noqa: E731
+            decode_ids = lambda x: self.tokenizer.decode(x, skip_special_tokens=p.skip_special_tokens)
             text = decode_ids(out_ids)
-            hits = [(text.find(s), s) for s in p.stop_strings if s and s in text]
-            if hits:  # multi-token stop strings are applied after generation
-                pos, s = min(hits)
-                out_ids = out_ids[: tokens_through(decode_ids, out_ids, s)]
-                text = text[:pos]
-                reason = {"type": "stop", "matched": s}
-        return {
-            "text": text,
-            "output_ids": out_ids,
-            "meta_info": {
-                "id": uuid.uuid4().hex,
-                "prompt_tokens": prompt_len,
-                "completion_tokens": len(out_ids),
-                "finish_reason": reason,
-                "e2e_latency": latency,
-                "spec_verify_ct": verify_ct,
-                "spec_accept_length": len(out_ids) / max(verify_ct, 1),
-                **({} if hist is None else {"spec_accept_histogram": [int(x) for x in hist[1:]]}),
-            },
-        }
+            cut = cut_at_stop_string(text, out_ids, p.stop_strings, decode_ids)
+            if cut is not None:  # multi-token stop strings are applied after generation
+                text, out_ids, reason = cut
+        return make_result(uuid.uuid4().hex, text, out_ids, prompt_len, reason, latency, verify_ct, None if hist is None else hist[1:])
 
 
 _ENGINES: dict = {}
-
-
-def tokens_through(decode_ids, out_ids: list[int], stop: str) -> int:
-    """The fewest leading tokens of out_ids whose decoded text contains `stop` (binary search)."""
-    lo, hi = 1, len(out_ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if stop in decode_ids(out_ids[:mid]) else (mid + 1, hi)
-    return lo
 
 
 def _draft_from_target(loaded: LoadedModel, algo: str | None) -> tuple | None:
@@ -372,7 +328,12 @@ def _draft_from_target(loaded: LoadedModel, algo: str | None) -> tuple | None:
     return bundled_draft_for(loaded.path, loaded.cfg, algo)
 
 
-def generate(prompt=None, sampling_params=None, input_ids=None, **engine_kwargs):
+def generate(
+    prompt: str | list[str] | None = None,
+    sampling_params: SamplingArg | list[SamplingArg] = None,
+    input_ids: list[int] | list[list[int]] | None = None,
+    **engine_kwargs: Any,
+) -> Result | list[Result]:
     """One-call convenience: `jaxspec.generate("hi", {"max_new_tokens": 16})`. Engines are reused per kwargs."""
     key = tuple(sorted(engine_kwargs.items()))
     if key not in _ENGINES:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +28,6 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 64  # before the per-engine limit (the server keeps a few stop-id columns per slot)
 
 
-def finite(**bounds):
-    """A finite float (no NaN / Infinity) within bounds (pydantic Field keywords)."""
-    return Annotated[float, Field(allow_inf_nan=False, **bounds)]
-
-
 # field types shared with the server's request schemas (server/protocol.py)
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
@@ -41,6 +36,10 @@ Stop = StopStr | Annotated[list[StopStr], Field(max_length=MAX_STOP_STRINGS)] | 
 StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1, description="any 64-bit integer (signed or unsigned)")] | None
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX, description="-1 = off; otherwise >= 1")]
+
+
+def _param(default: Any, help: str) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help})
 
 
 @dataclasses.dataclass
@@ -52,31 +51,32 @@ class SamplingParams:
 
     __pydantic_config__ = ConfigDict(extra="forbid")
 
-    max_new_tokens: Count = 128
-    temperature: finite(ge=0) = 1.0
-    top_p: finite(gt=0, le=1) = 1.0
-    top_k: TopK = -1
-    min_p: finite(ge=0, le=1) = 0.0
-    frequency_penalty: finite(ge=-2, le=2) = 0.0
-    presence_penalty: finite(ge=-2, le=2) = 0.0
-    repetition_penalty: finite(gt=0, le=2) = 1.0
-    stop: Stop = None
-    stop_token_ids: StopTokenIds = None
-    ignore_eos: bool = False
-    seed: Seed = None
-    skip_special_tokens: bool = True
+    max_new_tokens: Count = _param(128, "most tokens to generate")
+    temperature: Annotated[float, Field(allow_inf_nan=False, ge=0)] = _param(1.0, "0 = greedy")
+    top_p: Annotated[float, Field(allow_inf_nan=False, gt=0, le=1)] = _param(1.0, "nucleus sampling: smallest set of tokens whose probability reaches this")
+    top_k: TopK = _param(-1, "sample among the k most likely tokens (-1 = all)")
+    min_p: Annotated[float, Field(allow_inf_nan=False, ge=0, le=1)] = _param(0.0, "drop tokens less likely than this times the most likely one")
+    frequency_penalty: Annotated[float, Field(allow_inf_nan=False, ge=-2, le=2)] = _param(0.0, "subtracted from a token's logit once per earlier occurrence in the output")
+    presence_penalty: Annotated[float, Field(allow_inf_nan=False, ge=-2, le=2)] = _param(0.0, "subtracted from the logit of every token already in the output")
+    repetition_penalty: Annotated[float, Field(allow_inf_nan=False, gt=0, le=2)] = _param(1.0, "divides positive (multiplies negative) logits of tokens seen in prompt or output")
+    stop: Stop = _param(None, "stop string (repeatable); not part of the output")
+    stop_token_ids: StopTokenIds = _param(None, "token ids that end generation (besides EOS)")
+    ignore_eos: bool = _param(False, "keep generating past EOS")
+    seed: Seed = _param(None, "per-request sampling seed (default: drawn from --random-seed)")
+    skip_special_tokens: bool = _param(True, "leave special tokens out of the text")
 
-    ALIASES = {"sampling_seed": "seed", "max_tokens": "max_new_tokens"}
+    ALIASES: ClassVar[dict[str, str]] = {"sampling_seed": "seed", "max_tokens": "max_new_tokens"}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | "SamplingParams" | None) -> "SamplingParams":
+    def from_dict(cls, d: dict[str, Any] | SamplingParams | None) -> SamplingParams:
         if isinstance(d, SamplingParams):
             d.validate()
             return d
         if d is not None and not isinstance(d, dict):
             raise JaxspecError(f"sampling parameters must be a dict, got {type(d).__name__}")
         fields = {f.name for f in dataclasses.fields(cls)}
-        kw, spelled = {}, {}
+        kw: dict[str, Any] = {}
+        spelled: dict[str, str] = {}
         for given, v in (d or {}).items():
             k = cls.ALIASES.get(given, given)
             if v is not None:
@@ -148,8 +148,8 @@ class SamplingTensors:
     keys: jax.Array  # typed PRNG keys [B]
 
     @classmethod
-    def build(cls, params: list[SamplingParams], seeds: list[int]) -> "SamplingTensors":
-        f32 = lambda name: jnp.asarray([getattr(p, name) for p in params], jnp.float32)  # noqa: E731
+    def build(cls, params: list[SamplingParams], seeds: list[int]) -> SamplingTensors:
+        f32 = lambda name: jnp.asarray([getattr(p, name) for p in params], jnp.float32)
         return cls(
             temperature=f32("temperature"),
             top_k=jnp.asarray([max(p.top_k, 0) for p in params], jnp.int32),
@@ -163,7 +163,7 @@ class SamplingTensors:
 
 
     @classmethod
-    def build_default(cls, batch: int) -> "SamplingTensors":
+    def build_default(cls, batch: int) -> SamplingTensors:
         """Greedy placeholders for `batch` empty slots."""
         return cls.build([SamplingParams(temperature=0.0)] * batch, [0] * batch)
 

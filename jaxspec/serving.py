@@ -30,8 +30,8 @@ from jax.sharding import PartitionSpec as P
 from jaxspec.cache import KVCache
 from jaxspec.decode import LENGTH, RUNNING, STOPPED, DecodeState, decode_step, target_prefill
 from jaxspec.sampling import SamplingTensors, sample
-from jaxspec.spec.loop import SpecState, prefill_step, spec_round
-from jaxspec.spec.proposers.base import DraftState
+from jaxspec.speculative.loop import SpecState, prefill_step, spec_round
+from jaxspec.speculative.proposers.base import DraftState
 
 
 def _is_cache(x) -> bool:
@@ -64,13 +64,13 @@ class SlotBatch:
 
     @classmethod
     def create(cls, cfg, prop, slots: int, max_len: int, window: int, num_stop: int, dtype, num_steps: int = 0,
-               kv_sharding=None) -> "SlotBatch":
+               kv_sharding=None) -> SlotBatch:
         """Empty slots. max_len: KV columns per slot (context + the round's scratch region);
         window: tokens one dispatch can emit per slot; num_stop: stop-token columns;
         kv_sharding: where the target's KV buffers live (jaxspec/sharding.py)."""
         b, v = slots, cfg.vocab_size
         cache = KVCache.create(cfg, b, max_len, dtype, kv_sharding)
-        zi = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
+        zi = lambda *s: jnp.zeros(s, jnp.int32)
         common = dict(out=zi(b, window), num_out=zi(b), done=jnp.ones((b,), bool), finish=zi(b), last=zi(b), cache=cache, base=zi(b))
         if prop is None:
             core = DecodeState(counts=zi(b, v), seen=jnp.zeros((b, v), bool), **common)
@@ -84,7 +84,7 @@ class SlotBatch:
         return cls(core, st, zi(b), jnp.full((b, num_stop), -1, jnp.int32), jnp.zeros((b,), bool),
                    jnp.zeros((b, cfg.hidden_size), dtype), jnp.zeros((b, feat), dtype)).placed(jax.device_put)
 
-    def placed(self, put) -> "SlotBatch":
+    def placed(self, put) -> SlotBatch:
         """Tensor parallel (the target's cache has a sharding): this batch with the target's KV buffers
         at that sharding and every other array replicated, by put(tree, sharding): jax.device_put at creation,
         jax.lax.with_sharding_constraint at the end of each program, so that every dispatch sees the
@@ -140,7 +140,7 @@ def admit_finish(graphdef, params, prop, dparams, batch: SlotBatch, rows, st: Sa
     fields = dict(num_out=jnp.ones((n,), jnp.int32), base=jnp.ones((n,), jnp.int32), done=done,
                   finish=jnp.where(is_stop, STOPPED, jnp.where(done, LENGTH, RUNNING)).astype(jnp.int32), last=first,
                   counts=one, seen=seen | (one > 0))
-    put = lambda name, x: getattr(core, name).at[rows].set(x)  # noqa: E731
+    put = lambda name, x: getattr(core, name).at[rows].set(x)
     if prop is not None:
         d = take_rows(core.draft, rows, span)
         feats = batch.last_feat[rows][:, None] if prop.uses_hidden else None
@@ -168,10 +168,10 @@ def dispatch(graphdef, params, prop, dparams, spec, batch: SlotBatch, kill, k: i
     core = sub.core
     core = dataclasses.replace(core, done=core.done | kill[:n_act], out=jnp.zeros_like(core.out), base=core.num_out)
     if prop is None:
-        step = lambda s: decode_step(tgt, s, sub.st, sub.max_new, sub.stop_ids, backend)  # noqa: E731
+        step = lambda s: decode_step(tgt, s, sub.st, sub.max_new, sub.stop_ids, backend)
     else:
         thr = (jnp.full((n_act,), spec.accept_threshold_single, jnp.float32), jnp.full((n_act,), spec.accept_threshold_acc, jnp.float32))
-        step = lambda s: spec_round(tgt, prop, dparams, spec, s, sub.st, sub.max_new, sub.stop_ids, thr, backend, plain=sub.plain)  # noqa: E731
+        step = lambda s: spec_round(tgt, prop, dparams, spec, s, sub.st, sub.max_new, sub.stop_ids, thr, backend, plain=sub.plain)
     _, core = jax.lax.while_loop(lambda c: (c[0] < k) & ~jnp.all(c[1].done), lambda c: (c[0] + 1, step(c[1])), (jnp.int32(0), core))
     batch = put_rows(batch, rows, dataclasses.replace(sub, core=core))
     if prop is None:

@@ -1,5 +1,10 @@
-"""Pallas GPU kernels.
+"""Pallas GPU kernels (Pallas on Triton), each in its own file with its jitted wrapper and a pure-jnp
+reference it is tested against:
 
-Each kernel family will live in its own file with its jitted wrapper and a pure-jnp reference,
-and plug into `jaxspec.attention`. Nothing here yet: the `xla` attention backend is the only one.
+  tree_attention.py    attention of new query rows (prefill chunks, verification trees, draft-tree
+                       steps) over a slot's KV cache with a compact mask; its reference is the `xla`
+                       attention backend
+  decode_attention.py  split-KV attention of one query row per slot (plain decoding)
+
+`jaxspec.attention` picks them (`--attention-backend pallas`, the default on a GPU).
 """

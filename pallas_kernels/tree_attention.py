@@ -221,7 +221,7 @@ def tree_attention(q, k, v, kv_len, local_mask=None, *, offset=0, sliding_window
         local_width=local_mask.shape[2] if has_mask else None,
         sliding_window=sliding_window,
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT)
-    stat = lambda bi, hi, ri, si: (bi, hi, si, ri)  # noqa: E731
+    stat = lambda bi, hi, ri, si: (bi, hi, si, ri)
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(b, hkv, row_blocks, splits),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -19,13 +20,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxspec.errors import JaxspecError
 from server import protocol
-from server.scheduler import QueueFull, Request as SchedRequest, Scheduler
+from server.scheduler import QueueFull, Scheduler
+from server.scheduler import Request as SchedRequest
 
 logger = logging.getLogger("jaxspec.server")
 
@@ -171,7 +173,7 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
             while True:
                 try:
                     e = await asyncio.wait_for(q.get(), timeout=1.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     e = None
                 if time.monotonic() - checked >= 1.0:  # also while events keep coming (a non-streaming client is not watched otherwise)
                     checked = time.monotonic()
@@ -289,7 +291,7 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
                 text = eng.apply_chat_template(body.conversation())
             except JaxspecError:
                 raise
-            except Exception as e:  # noqa: BLE001 - chat templates raise on conversations they do not accept
+            except Exception as e:
                 raise JaxspecError(f"messages: the model's chat template rejected this conversation: {e}") from None
         return await openai_run(request, body, encode(text, add_special_tokens=False), chat=True)
 
@@ -332,7 +334,7 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
     async def server_info():
         acc = sched.avg_spec_accept_length
         internal = {"avg_spec_accept_length": acc, "last_gen_throughput": sched.stats.tokens_per_s(), "num_running_reqs": sched.running,
-                    "num_queue_reqs": sched.queue_depth, "memory_plan": sched.memory_plan}
+                    "num_queue_reqs": sched.queue_depth, "memory_plan": dataclasses.asdict(sched.memory_plan)}
         return {**(server_args or {}), "served_model_name": served_model_name, "speculative_algorithm": eng.spec.algorithm,
                 "speculative_num_steps": eng.spec.num_steps, "speculative_eagle_topk": eng.spec.eagle_topk,
                 "speculative_num_draft_tokens": eng.spec.num_draft_tokens, "context_length": sched.context_length,
@@ -408,7 +410,7 @@ def _bad_string(x, path: str) -> str | None:
 def prometheus_text(sched: Scheduler, model: str) -> str:
     """Prometheus exposition text (SGLang's metric names under the jaxspec: prefix)."""
     st = sched.stats
-    label = '{model_name="%s"}' % model.replace('"', "'")
+    label = '{model_name="' + model.replace('"', "'") + '"}'
     rows: list[tuple[str, str, str, Any]] = [
         ("num_requests_total", "counter", "requests accepted", st.requests),
         ("num_requests_finished_total", "counter", "requests finished (stop or length)", st.finished),

@@ -24,13 +24,14 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxspec.cache import KVCache
-from jaxspec.engine import bucket
+from jaxspec.requests import bucket
 from jaxspec.sampling import SamplingTensors
 from jaxspec.serving import admit_chunk, admit_finish, dispatch
 
@@ -186,9 +187,9 @@ class Programs:
 
     def compile_startup(self, max_bs: int, progress: bool = True) -> int:
         """Compiles and exercises the cover set (before the scheduler thread starts)."""
-        from tqdm.auto import tqdm
-
         from concurrent.futures import ThreadPoolExecutor
+
+        from tqdm.auto import tqdm
 
         keys = self.startup_keys(max_bs)
         bar = tqdm(total=len(keys), unit="program", disable=not progress, desc="compiling start-up programs")
@@ -225,7 +226,7 @@ class Programs:
         else:  # slots [0, n_act) decode k rounds from one committed column, with no stop in sight
             _, n, _span = key
             b = s.batch
-            fresh = lambda x: dataclasses.replace(x, lengths=x.lengths.at[:n].set(1)) if isinstance(x, KVCache) else x  # noqa: E731
+            fresh = lambda x: dataclasses.replace(x, lengths=x.lengths.at[:n].set(1)) if isinstance(x, KVCache) else x
             core = jax.tree_util.tree_map(fresh, b.core, is_leaf=lambda x: isinstance(x, KVCache))
             core = dataclasses.replace(core, done=core.done.at[:n].set(False), num_out=core.num_out.at[:n].set(1), base=core.base.at[:n].set(1))
             st = jax.tree_util.tree_map(lambda full, part: full.at[:n].set(part), b.st, params(n))
@@ -255,7 +256,7 @@ class Programs:
                     with self.sched.lock:  # the scheduler thread runs it once at its next idle moment
                         self.fresh.append((key, prog))
                         self.sched.wake.notify()
-                except Exception:  # noqa: BLE001 - a failed background compile only costs speed
+                except Exception:
                     logger.exception("background compile of %s failed", key)
                 self.background_done += 1
             logger.info("compiled %d background programs in %.0f s", len(keys), time.perf_counter() - t)

@@ -16,7 +16,18 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from jaxspec.errors import JaxspecError
-from jaxspec.sampling import INT32_MAX, Count, SamplingParams, Seed, Stop, StopTokenIds, TokenId, TopK, finite, sampling_params_schema
+from jaxspec.sampling import (
+    INT32_MAX,
+    Count,
+    SamplingParams,
+    Seed,
+    Stop,
+    StopTokenIds,
+    TokenId,
+    TopK,
+    sampling_params_schema,
+)
+
 
 class _Body(BaseModel):
     # unknown fields are kept aside (model_extra) so the app can log them
@@ -37,22 +48,22 @@ def _unsupported(field: str, what: str) -> JaxspecError:
 class _OpenAICommon(_Body):
     model: Annotated[str, Field(max_length=512)] = "default"
     max_tokens: Count | None = None
-    temperature: finite(ge=0) | None = None
-    top_p: finite(gt=0, le=1) | None = None
+    temperature: Annotated[float, Field(allow_inf_nan=False, ge=0)] | None = None
+    top_p: Annotated[float, Field(allow_inf_nan=False, gt=0, le=1)] | None = None
     top_k: TopK | None = None  # 0 is taken as -1 (off), as some clients send it
-    min_p: finite(ge=0, le=1) | None = None
+    min_p: Annotated[float, Field(allow_inf_nan=False, ge=0, le=1)] | None = None
     seed: Seed = None
     stop: Stop = None
     stop_token_ids: StopTokenIds = None
-    frequency_penalty: finite(ge=-2, le=2) | None = None
-    presence_penalty: finite(ge=-2, le=2) | None = None
-    repetition_penalty: finite(gt=0, le=2) | None = None
+    frequency_penalty: Annotated[float, Field(allow_inf_nan=False, ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Field(allow_inf_nan=False, ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(allow_inf_nan=False, gt=0, le=2)] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: Annotated[int, Field(ge=1, le=INT32_MAX)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, finite()] | None = None
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
     speculative: bool = Field(True, description="jaxspec extension: false decodes this request without speculation")
     # accepted, no effect on the output
     user: Annotated[str, Field(max_length=4096)] | None = None
@@ -186,7 +197,7 @@ class CompletionRequest(_OpenAICommon):
             p = p[0]
         if isinstance(p, list) and not p:
             raise JaxspecError("prompt: the prompt is empty")
-        return p
+        return p  # type: ignore[return-value]  # a str or a list of ids once unwrapped
 
 
 SamplingParamsDict = Annotated[

@@ -17,21 +17,32 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import os
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.decode import LENGTH, STOPPED
-from jaxspec.engine import Engine, bucket, tokens_through
+from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
+from jaxspec.requests import (
+    bucket,
+    check_prompt,
+    check_stop_token_ids,
+    draft_prompt,
+    finish_reason,
+    make_result,
+    stop_token_ids,
+)
 from jaxspec.sampling import SamplingParams, SamplingTensors
 from jaxspec.serving import SlotBatch
+from server.detokenize import DetokState, detokenize
+from server.memory import MemoryPlan, plan_slots
 from server.programs import Programs
 
 logger = logging.getLogger("jaxspec.server")
@@ -50,14 +61,11 @@ class Request:
     rid: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     # filled by the scheduler
     max_new: int = 0
-    out_ids: list = dataclasses.field(default_factory=list)
-    text: str = ""
-    sent: int = 0  # characters of text already streamed
-    prefix_off: int = 0  # incremental detokenizing: left context starts here (see Scheduler._detok)
-    read_off: int = 0  # tokens already turned into r.text
+    out_ids: list[int] = dataclasses.field(default_factory=list)
+    detok: DetokState = dataclasses.field(default_factory=DetokState)  # the streamed text so far
     slot: int | None = None
     verify_ct: int = 0
-    hist: list | None = None
+    hist: list[int] | None = None
     finished: bool = False
     cancelled: bool = False
     t_arrival: float = dataclasses.field(default_factory=time.perf_counter)
@@ -65,14 +73,48 @@ class Request:
     decoding: bool = False  # prefilled: its slot takes part in dispatches
     known: int = 0  # tokens (prompt + output) whose results the host has processed
     inflight: int = 0  # dispatches enqueued for this request whose results are not processed yet
-    _stops: list = dataclasses.field(default_factory=list)  # stop token ids (EOS, stop_token_ids, 1-token stop strings)
+    _stops: list[int] = dataclasses.field(default_factory=list)  # stop token ids (EOS, stop_token_ids, 1-token stop strings)
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
 
     def send(self, event: dict) -> None:
         """emit(event), never raising into the scheduler (a client's event loop may be gone)."""
         try:
             self.emit(event)
-        except Exception:  # noqa: BLE001
+        except Exception:
             logger.warning("request %s: could not deliver a %s event", self.rid, event.get("type"), exc_info=True)
+
+
+@dataclasses.dataclass(eq=False)
+class PrefillGroup:
+    """Requests admitted together, prefilled chunk by chunk (one compiled program per chunk)."""
+
+    reqs: list[Request]
+    chunk: int  # prompt tokens per chunk
+    keys: list[tuple]  # the compiled program of each chunk (server/programs.py)
+    prompt: np.ndarray  # [len(reqs), len(keys) * chunk] int32, zero-padded
+    dprompt: np.ndarray  # the draft's prompt (shifted)
+    next: int = 0  # the next chunk to run
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.keys)
+
+
+@dataclasses.dataclass
+class Pending:
+    """A device call whose results the host has not fetched yet."""
+
+    kind: str  # "admit" (first tokens) | "dispatch" (k rounds)
+    reqs: list[Request]  # admit: the group's requests
+    slots: dict[int, Request]  # dispatch: slot -> request
+    out: Any  # device arrays
+
+    @property
+    def who(self) -> list[Request]:
+        return self.reqs if self.kind == "admit" else list(self.slots.values())
 
 
 @dataclasses.dataclass
@@ -95,28 +137,6 @@ class Stats:
         return n / window
 
 
-def memory_budget() -> tuple[int, str]:
-    """(bytes the device can hold, where the figure comes from)."""
-    dev = jax.devices()[0]
-    try:
-        stats = dev.memory_stats() or {}
-    except Exception:  # noqa: BLE001 - backends without memory stats
-        stats = {}
-    if stats.get("bytes_limit"):
-        return int(stats["bytes_limit"]), f"{dev.platform} memory pool"
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host RAM"
-
-
-def _nbytes(tree) -> int:
-    """Bytes one device holds of the arrays (or shapes) in tree."""
-    def size(x):
-        s = getattr(x, "sharding", None)
-        n = int(np.prod(x.shape if s is None else s.shard_shape(x.shape)))
-        return n * (8 if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.dtype(x.dtype).itemsize)
-
-    return sum(size(x) for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "shape"))
-
-
 class Scheduler:
     def __init__(self, eng: Engine, max_running_requests: int | None = None, mem_fraction_static: float = 0.8,
                  max_queued_requests: int = 256, decode_steps: int | None = None, overlap: bool = True, min_span: int | None = None):
@@ -132,7 +152,7 @@ class Scheduler:
             raise JaxspecError("--num-continuous-decode-steps must be >= 1")
         steps = self.spec.num_steps if self.spec else 0
         self.window = self.k * (steps + 1)
-        self.scratch = 0 if not self.spec else self.spec.num_draft_tokens + self.spec.num_steps * self.spec.eagle_topk + 2
+        self.scratch = eng.spec.scratch_tokens  # KV columns a round writes past a request's last token
         self.context_length = eng.context_length
         self.max_len = -(-(self.context_length + self.scratch) // 64) * 64
         self.num_stop = 8
@@ -142,13 +162,13 @@ class Scheduler:
         self.batch = SlotBatch.create(eng.cfg, self.prop, self.slots, self.max_len, self.window, self.num_stop, eng.dtype, steps,
                                       eng.kv_sharding)
         self.busy: dict[int, Request] = {}  # slot -> request (prefilling or decoding)
-        self._prefilling: collections.deque = collections.deque()  # admission groups with prompt chunks left
+        self._prefilling: collections.deque[PrefillGroup] = collections.deque()  # admission groups with prompt chunks left
         self.waiting: collections.deque[Request] = collections.deque()
         self.stats = Stats()
         self.lock = threading.Lock()  # waiting, busy, stats, cancellations
         self.wake = threading.Condition(self.lock)
         self.tok_lock = threading.Lock()  # HF tokenizers are not safe to share across threads
-        self._pending: collections.deque = collections.deque()
+        self._pending: collections.deque[Pending] = collections.deque()
         self._rng = np.random.default_rng(0)
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -160,49 +180,22 @@ class Scheduler:
 
     # ---- memory plan -------------------------------------------------------------------------
 
-    def _plan_memory(self, requested, fraction, gpu) -> int:
-        if not 0 < fraction <= 1:
-            raise JaxspecError(f"--mem-fraction-static must be in (0, 1], got {fraction}")
-        steps = self.spec.num_steps if self.spec else 0
-        one = jax.eval_shape(lambda: SlotBatch.create(self.eng.cfg, self.prop, 1, self.max_len, self.window, self.num_stop, self.eng.dtype, steps))
-        kv = _nbytes((one.core.cache.k, one.core.cache.v))
-        per_slot = _nbytes(one) - kv + kv // self.eng.tp_size  # eval_shape drops shardings; the target's KV is split tp ways
-        weights = _nbytes(self.eng.params) + (_nbytes(self.eng.dparams) if self.spec else 0)
-        total, where = memory_budget()
-        budget = int(total * fraction) - weights
-        fits = budget // per_slot if budget > 0 else 0
-        gib = lambda x: f"{x / 2**30:.2f} GiB"  # noqa: E731
-        plan = (f"per device: {where} {gib(total)} x mem_fraction_static {fraction} = {gib(total * fraction)}; weights (target + draft) "
-                f"{gib(weights)}; one request slot (KV cache for context_length {self.context_length} + draft state) {gib(per_slot)}")
-        if fits < 1:
-            raise JaxspecError(
-                f"out of memory: not even one request slot fits. {plan}. Try: a smaller --context-length, fewer "
-                "--max-running-requests, a smaller speculative tree (--speculative-num-draft-tokens / --speculative-eagle-topk), "
-                "--dtype bfloat16, or a higher --mem-fraction-static")
-        cap = requested if requested is not None else (64 if gpu else 8)
-        if cap < 1:
-            raise JaxspecError("--max-running-requests must be >= 1")
-        slots = int(min(cap, fits))
-        if requested is not None and requested > fits:
-            logger.warning("--max-running-requests %d does not fit; serving %d slots (%s)", requested, slots, plan)
-        logger.info("memory plan: %s -> %d slots", plan, slots)
-        self.memory_plan = dict(total_bytes=total, source=where, weights_bytes=weights, slot_bytes=per_slot, slots=slots)
-        return slots
+    def _plan_memory(self, requested: int | None, fraction: float, gpu: bool) -> int:
+        eng, steps = self.eng, self.spec.num_steps if self.spec else 0
+        plan = plan_slots(
+            lambda: SlotBatch.create(eng.cfg, self.prop, 1, self.max_len, self.window, self.num_stop, eng.dtype, steps),
+            lambda one: (one.core.cache.k, one.core.cache.v), (eng.params, eng.dparams if self.spec else None), eng.tp_size,
+            self.context_length, requested, fraction, gpu)
+        self.memory_plan: MemoryPlan = plan
+        return plan.slots
 
     # ---- public API (any thread) -------------------------------------------------------------
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
-        if len(ids) == 0:
-            raise JaxspecError("the prompt is empty")
-        if len(ids) >= self.context_length:
-            raise JaxspecError(f"the prompt has {len(ids)} tokens; this server's context length is {self.context_length} "
-                               "(prompt + output); shorten the prompt or restart with a larger --context-length")
-        if min(ids) < 0 or max(ids) >= self.eng.cfg.vocab_size:
-            raise JaxspecError(f"prompt token ids must be in [0, {self.eng.cfg.vocab_size})")
+        vocab = self.eng.cfg.vocab_size
+        check_prompt(ids, self.context_length, vocab, hint="; shorten the prompt or restart with a larger --context-length")
         params.validate()
-        bad = [t for t in params.stop_token_ids or [] if not 0 <= t < self.eng.cfg.vocab_size]
-        if bad:
-            raise JaxspecError(f"stop_token_ids must be in [0, {self.eng.cfg.vocab_size}), got {bad[0]}")
+        check_stop_token_ids(params, vocab)
 
     def submit(self, req: Request) -> None:
         """Queues a request (raises JaxspecError for bad input, QueueFull when the queue is full)."""
@@ -211,10 +204,12 @@ class Scheduler:
         req.max_new = min(p.max_new_tokens, self.context_length - len(req.ids))
         if self.spec and (p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty):
             req.speculative = False  # penalties: this request decodes plainly (inside the round)
+        eng = self.eng
         with self.tok_lock:  # stop strings are tokenized
-            stops = self.eng._stop_ids(p)
+            stops = stop_token_ids(eng.cfg, eng.tokenizer, p)
             if len(stops) > self.num_stop:
-                raise JaxspecError(f"at most {self.num_stop - len(self.eng._stop_ids(SamplingParams()))} stop token ids per request")
+                eos = stop_token_ids(eng.cfg, eng.tokenizer, SamplingParams())
+                raise JaxspecError(f"at most {self.num_stop - len(eos)} stop token ids per request")
         req._stops = stops
         with self.lock:
             if self._stop:
@@ -299,11 +294,11 @@ class Scheduler:
                 continue
             try:
                 self.step()
-            except Exception as e:  # noqa: BLE001 - a bug outside the guarded device calls: start over, keep serving
+            except Exception as e:
                 logger.exception("scheduler iteration failed")
                 try:
                     self._recover(f"{type(e).__name__}: {e}")
-                except Exception as e2:  # noqa: BLE001 - cannot even rebuild the device state: the server is down
+                except Exception as e2:
                     logger.exception("could not recover the device state")
                     self.error = f"{type(e2).__name__}: {e2}"
                     with self.lock:
@@ -331,15 +326,14 @@ class Scheduler:
         keep = 1 if self.overlap and busy else 0  # leave the newest dispatch running while the host works
         while len(self._pending) > keep:
             item = self._pending.popleft()
-            who = item[1] if item[0] == "admit" else list(item[1].values())
-            self._guarded("fetching results", who, lambda: self._process(item))
+            self._guarded("fetching results", item.who, lambda item=item: self._process(item))
 
     def _guarded(self, what: str, reqs: list[Request], fn) -> bool:
         """fn(); on an exception fails `reqs` (and, if the device state is gone, every running request). True if fn succeeded."""
         try:
             fn()
             return True
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             logger.exception("error while %s (%d requests)", what, len(reqs))
             msg = f"internal error while {what}: {type(e).__name__}: {e}"
             for r in reqs:
@@ -355,7 +349,7 @@ class Scheduler:
                 return False
             jax.block_until_ready(self.batch)
             return True
-        except Exception:  # noqa: BLE001
+        except Exception:
             return False
 
     def _recover(self, why: str) -> None:
@@ -364,7 +358,7 @@ class Scheduler:
         self.recovering = True
         try:
             with self.lock:
-                running = list(self.busy.values()) + [r for g in self._prefilling for r in g["reqs"]]
+                running = list(self.busy.values()) + [r for g in self._prefilling for r in g.reqs]
             for r in running:
                 self._fail(r, f"internal error (the server recovered; retry the request): {why}")
             with self.lock:
@@ -426,49 +420,46 @@ class Scheduler:
             self._prefilling.append(self._new_group(reqs[:n]))
             reqs = reqs[n:]
 
-    def _new_group(self, reqs: list[Request]) -> dict:
+    def _new_group(self, reqs: list[Request]) -> PrefillGroup:
         length = max(len(r.ids) for r in reqs)
         plan = self.programs.prefill_plan(len(reqs), length)
         if plan is None:  # nothing compiled covers it: the ideal shapes, compiled at first use
             plan = self.programs.prefill_plan(len(reqs), length, exact=True)
         chunk, keys = plan
-        n_chunks = len(keys)
-        prompt = np.zeros((len(reqs), n_chunks * chunk), np.int32)
+        prompt = np.zeros((len(reqs), len(keys) * chunk), np.int32)
         for i, r in enumerate(reqs):
             prompt[i, : len(r.ids)] = r.ids
-        shift = self.prop.shift if self.prop is not None else 0
-        dprompt = np.zeros_like(prompt)
-        dprompt[:, : prompt.shape[1] - shift] = prompt[:, shift:]
-        return dict(reqs=reqs, chunk=chunk, n_chunks=n_chunks, keys=keys, next=0, prompt=prompt, dprompt=dprompt)
+        dprompt = draft_prompt(prompt, self.prop.shift if self.prop is not None else 0)
+        return PrefillGroup(reqs, chunk, list(keys), prompt, dprompt)
 
     def _prefill(self, interleave: bool) -> None:
         """Runs prefill chunks: one chunk when requests are decoding (SGLang's chunked prefill: a
         long prompt does not stall the others' streams), else until a group has its first token."""
         while self._prefilling:
             g = self._prefilling[0]
-            if all(r.cancelled for r in g["reqs"]):  # nobody is waiting for this group any more
+            if all(r.cancelled for r in g.reqs):  # nobody is waiting for this group any more
                 self._prefilling.popleft()
-                self._release(g["reqs"])
+                self._release(g.reqs)
                 continue
-            if not self._guarded("prefilling", g["reqs"], lambda: self._prefill_chunk(g)):
+            if not self._guarded("prefilling", g.reqs, lambda g=g: self._prefill_chunk(g)):
                 if self._prefilling and self._prefilling[0] is g:
                     self._prefilling.popleft()
                 return
-            if g["next"] == g["n_chunks"]:
+            if g.next == g.n_chunks:
                 self._prefilling.popleft()
-                self._guarded("starting decoding", g["reqs"], lambda: self._finish_admission(g["reqs"]))
+                self._guarded("starting decoding", g.reqs, lambda g=g: self._finish_admission(g.reqs))
                 return
             if interleave:
                 return
 
-    def _prefill_chunk(self, g: dict) -> None:
-        eng, c, chunk = self.eng, g["next"], g["chunk"]
-        rows = jnp.asarray([r.slot for r in g["reqs"]], jnp.int32)
+    def _prefill_chunk(self, g: PrefillGroup) -> None:
+        eng, c, chunk = self.eng, g.next, g.chunk
+        rows = jnp.asarray([r.slot for r in g.reqs], jnp.int32)
         sl = slice(c * chunk, (c + 1) * chunk)
-        prog = self.programs.get(g["keys"][c])
-        self.batch = prog(eng.params, eng.dparams, self.batch, rows, jnp.asarray(g["prompt"][:, sl]), jnp.asarray(g["dprompt"][:, sl]),
-                          jnp.int32(c * chunk), jnp.asarray([len(r.ids) for r in g["reqs"]], jnp.int32))
-        g["next"] += 1
+        prog = self.programs.get(g.keys[c])
+        self.batch = prog(eng.params, eng.dparams, self.batch, rows, jnp.asarray(g.prompt[:, sl]), jnp.asarray(g.dprompt[:, sl]),
+                          jnp.int32(c * chunk), jnp.asarray([len(r.ids) for r in g.reqs], jnp.int32))
+        g.next += 1
 
     def _finish_admission(self, reqs: list[Request]) -> None:
         eng, n = self.eng, len(reqs)
@@ -489,7 +480,7 @@ class Scheduler:
                 r.known, r.inflight = len(r.ids) + 1, 0
                 r.decoding = not r.cancelled
         self._release([r for r in reqs if r.cancelled])
-        self._pending.append(("admit", reqs, first))
+        self._pending.append(Pending("admit", reqs, {}, first))
 
     def _release(self, reqs: list[Request]) -> None:
         """Frees the slots of requests cancelled while they were being prefilled."""
@@ -516,28 +507,28 @@ class Scheduler:
         eng = self.eng
         prog = self.programs.get(self.programs.dispatch_key(n_act, self._span(need)))
         self.batch, outs = prog(eng.params, eng.dparams, self.batch, jnp.asarray(kill))
-        self._pending.append(("dispatch", busy, outs))
+        self._pending.append(Pending("dispatch", [], busy, outs))
 
     # ---- results -----------------------------------------------------------------------------
 
-    def _process(self, item) -> None:
-        kind, who, arr = item
-        if kind == "admit":
-            first = np.asarray(jax.device_get(arr))
+    def _process(self, item: Pending) -> None:
+        if item.kind == "admit":
+            who = item.reqs
+            first = np.asarray(jax.device_get(item.out))
             now = time.perf_counter()
             for r, t in zip(who, first):
                 r.t_first = now
                 self._guarded("streaming", [r], lambda: self._advance(r, [int(t)], done_code=None, verify_ct=0, hist=None, first=True))  # noqa: B023
             new = len(who)
         else:
-            out, count, done, finish, vct, hist = jax.device_get(arr)
-            for s, r in who.items():
+            out, count, done, finish, vct, hist = jax.device_get(item.out)
+            for s, r in item.slots.items():
                 code = int(finish[s]) if done[s] else None
                 toks = [int(t) for t in out[s, : count[s]]]
                 r.inflight -= 1
                 h = hist[s] if self.spec else None
                 self._guarded("streaming", [r], lambda: self._advance(r, toks, done_code=code, verify_ct=int(vct[s]), hist=h))  # noqa: B023
-            new = int(sum(count[s] for s in who))
+            new = int(sum(count[s] for s in item.slots))
         with self.lock:
             self.stats.recent.append((time.perf_counter(), new))
 
@@ -560,11 +551,7 @@ class Scheduler:
                 done_code = LENGTH
         with self.lock:
             self.stats.generation_tokens += len(toks)
-        reason = None
-        if done_code == STOPPED:
-            reason = {"type": "stop", "matched": r.out_ids[-1]}
-        elif done_code == LENGTH:
-            reason = {"type": "length", "length": len(r.out_ids)}
+        reason = None if done_code is None else finish_reason(done_code, r.out_ids)
         delta, stop_hit = self._detok(r, final=reason is not None)
         if stop_hit is not None:
             reason = stop_hit
@@ -577,42 +564,14 @@ class Scheduler:
                     del self.busy[r.slot]  # a stop-string finish may still run on the device: the next dispatch stops it
                 self._finish(r, reason)
 
-    def _detok(self, r: Request, final: bool):
-        """Extends r.text by the new tokens; returns (text to stream, stop-string finish reason or None).
-
-        Incremental: only the tokens after `r.prefix_off` are decoded (a few tokens of left context
-        keep word-initial spaces and multi-byte characters right), so a long output costs O(n), not
-        O(n^2). The final text is one full decode, as the offline engine's."""
+    def _detok(self, r: Request, final: bool) -> tuple[str, dict | None]:
+        """Extends r's text by its new tokens (server/detokenize.py); returns (text to stream,
+        stop-string finish reason or None). A stop string cuts r.out_ids."""
         tok = self.eng.tokenizer
         if tok is None:
             return "", None
-        skip = r.params.skip_special_tokens
-        with self.tok_lock:
-            if final:
-                text = tok.decode(r.out_ids, skip_special_tokens=skip)
-            else:
-                before = tok.decode(r.out_ids[r.prefix_off : r.read_off], skip_special_tokens=skip)
-                after = tok.decode(r.out_ids[r.prefix_off :], skip_special_tokens=skip)
-                text = r.text
-                if len(after) > len(before) and after.startswith(before) and not after.endswith("\ufffd"):
-                    text = r.text + after[len(before) :]
-                    r.prefix_off, r.read_off = max(r.read_off - 4, 0), len(r.out_ids)
-        stops = [s for s in r.params.stop_strings if s]
-        hit = None
-        lo_search = max(0, min(r.sent, len(text)) - max((len(s) for s in stops), default=0))
-        found = [(text.find(s, lo_search), s) for s in stops if s in text[lo_search:]]
-        if found:
-            pos, s = min(found)
-            with self.tok_lock:
-                r.out_ids = r.out_ids[: tokens_through(lambda x: tok.decode(x, skip_special_tokens=skip), r.out_ids, s)]
-            text, hit, final = text[:pos], {"type": "stop", "matched": s}, True
-        safe = len(text)
-        if not final and stops:  # hold back what could be the start of a stop string
-            safe -= max(len(s) for s in stops) - 1
-        safe = max(safe, r.sent)
-        delta = text[r.sent : safe]
-        r.sent = safe
-        r.text = text
+        delta, r.out_ids, hit = detokenize(tok, self.tok_lock, r.detok, r.out_ids, r.params.stop_strings,
+                                           r.params.skip_special_tokens, final)
         return delta, hit
 
     def _finish(self, r: Request, reason: dict) -> None:
@@ -629,26 +588,13 @@ class Scheduler:
         r.send({"type": "done", "result": self.result(r, reason)})
 
     def _ngram_add(self, r: Request) -> None:
-        corpus = self.eng._corpus
-        corpus.add([list(r.ids) + list(r.out_ids)])
-        self.eng.dparams = {**self.eng.dparams, "corpus": corpus.device()}
+        self.eng.feed_ngram_corpus([list(r.ids) + list(r.out_ids)])
 
     def result(self, r: Request, reason: dict) -> dict[str, Any]:
-        vct = r.verify_ct if (self.spec and r.speculative) else len(r.out_ids)
-        meta = {
-            "id": r.rid,
-            "prompt_tokens": len(r.ids),
-            "completion_tokens": len(r.out_ids),
-            "finish_reason": reason,
-            "e2e_latency": time.perf_counter() - r.t_arrival,
-            "ttft": None if r.t_first is None else r.t_first - r.t_arrival,
-            "speculative": bool(self.spec and r.speculative),
-            "spec_verify_ct": vct,
-            "spec_accept_length": len(r.out_ids) / max(vct, 1),
-        }
-        if self.spec and r.speculative and r.hist is not None:
-            meta["spec_accept_histogram"] = r.hist
-        return {"text": r.text, "output_ids": list(r.out_ids), "meta_info": meta}
+        spec = bool(self.spec and r.speculative)
+        return make_result(r.rid, r.text, r.out_ids, len(r.ids), reason, time.perf_counter() - r.t_arrival,
+                           r.verify_ct if spec else len(r.out_ids), r.hist if spec else None,
+                           ttft=None if r.t_first is None else r.t_first - r.t_arrival, speculative=spec)
 
     @property
     def avg_spec_accept_length(self) -> float | None:

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 import jaxspec.drafts as drafts
-from jaxspec.config import ModelConfig, SpecConfig
+from jaxspec.config import ModelConfig
 from jaxspec.errors import JaxspecError
+
+from helpers import resolve_spec
 
 SMOL = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                    num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5)
@@ -61,20 +63,20 @@ def test_matching_rule(tmp_path, monkeypatch):
 
 def test_resolution_with_a_shipped_draft():
     b = ("EAGLE3", "/drafts/smol", None)
-    s = SpecConfig.resolve(None, SMOL, bundled=b)
+    s = resolve_spec(None, SMOL, bundled=b)
     assert s.algorithm == "EAGLE3" and s.draft_model_path == "/drafts/smol" and (s.num_steps, s.eagle_topk, s.num_draft_tokens) == (5, 4, 8)
-    assert not SpecConfig.resolve("NONE", SMOL, bundled=b).enabled
-    assert SpecConfig.resolve("eagle3", SMOL, bundled=b).draft_model_path == "/drafts/smol"
-    assert SpecConfig.resolve("EAGLE3", SMOL, draft_model_path="/mine", bundled=b).draft_model_path == "/mine"
+    assert not resolve_spec("NONE", SMOL, bundled=b).enabled
+    assert resolve_spec("eagle3", SMOL, bundled=b).draft_model_path == "/drafts/smol"
+    assert resolve_spec("EAGLE3", SMOL, draft_model_path="/mine", bundled=b).draft_model_path == "/mine"
     with pytest.raises(JaxspecError, match="needs speculative_draft_model_path"):
-        SpecConfig.resolve("EAGLE", SMOL, bundled=b)  # a different algorithm needs its own draft
-    assert not SpecConfig.resolve(None, SMOL).enabled  # nothing shipped: plain decoding
+        resolve_spec("EAGLE", SMOL, bundled=b)  # a different algorithm needs its own draft
+    assert not resolve_spec(None, SMOL).enabled  # nothing shipped: plain decoding
     tuned = ("EAGLE3", "/drafts/smol", (3, 1, 4))  # the shape measured best for the shipped draft
-    s = SpecConfig.resolve(None, SMOL, bundled=tuned)
+    s = resolve_spec(None, SMOL, bundled=tuned)
     assert (s.num_steps, s.eagle_topk, s.num_draft_tokens) == (3, 1, 4)
-    s = SpecConfig.resolve(None, SMOL, bundled=tuned, num_steps=6, eagle_topk=2, num_draft_tokens=10)
+    s = resolve_spec(None, SMOL, bundled=tuned, num_steps=6, eagle_topk=2, num_draft_tokens=10)
     assert (s.num_steps, s.eagle_topk, s.num_draft_tokens) == (6, 2, 10)
-    s = SpecConfig.resolve("EAGLE3", SMOL, draft_model_path="/mine", bundled=tuned)  # own draft: SGLang's auto defaults
+    s = resolve_spec("EAGLE3", SMOL, draft_model_path="/mine", bundled=tuned)  # own draft: SGLang's auto defaults
     assert (s.num_steps, s.eagle_topk, s.num_draft_tokens) == (5, 4, 8)
 
 

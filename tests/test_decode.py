@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_model
 from jaxspec.cache import KVCache
 from jaxspec.engine import Engine
 from jaxspec.sampling import SamplingParams, SamplingTensors, sample
+
+from helpers import tiny_model
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -37,7 +37,7 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from conftest import tiny_model
+from helpers import tiny_model
 
 T = 7  # sequence length of the comparison
 EPS = 1e-5
@@ -129,7 +129,7 @@ def to_target_logits(draft_logits, d2t, vocab):
 
 
 def _layer_tensors(rng, p, din, h, nh, nkv, hd, inter):
-    g = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)  # noqa: E731
+    g = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)
     return {
         p + "self_attn.q_proj.weight": g(nh * hd, din),
         p + "self_attn.k_proj.weight": g(nkv * hd, din),
@@ -148,7 +148,7 @@ def public_weights(kind, tcfg, seed=0):
     h, v = tcfg["hidden_size"], tcfg["vocab_size"]
     nh, nkv = tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
     hd = h // nh
-    norm = lambda: (1 + 0.3 * rng.standard_normal(h)).astype(np.float32)  # noqa: E731
+    norm = lambda: (1 + 0.3 * rng.standard_normal(h)).astype(np.float32)
     if kind == "EAGLE":
         w = {"fc.weight": (rng.standard_normal((h, 2 * h)) / np.sqrt(2 * h)).astype(np.float32),
              "fc.bias": (0.1 * rng.standard_normal(h)).astype(np.float32)}
@@ -227,7 +227,7 @@ def jaxspec_target_features(prop, tgt, tokens):
 def proposer_round(prop, dparams, tgt, tokens, feats, next_token):
     """extend over the T entries (root distribution from the last), then one draft step that feeds
     the root hidden back with `next_token` at position T -> (root probs [Vd], step probs [Vd])."""
-    from jaxspec.spec.proposers.base import DraftState
+    from jaxspec.speculative.proposers.base import DraftState
 
     h = tgt.cfg.hidden_size
     state = DraftState(prop.make_cache(1, 32, jnp.float32), jnp.zeros((1, prop.draft_vocab)), jnp.zeros((1, h)))
@@ -282,7 +282,7 @@ def test_numpy_layer_matches_transformers(target1):
     tokens = list(np.random.default_rng(0).integers(0, c.vocab_size, T))
     hs = hf_hidden_states(hf, tokens)
     sd = {k[len("model."):]: v.double().numpy() for k, v in hf.state_dict().items() if k.startswith("model.")}
-    theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta") or getattr(c, "rope_theta")
+    theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta") or c.rope_theta
     out = llama_layer(hs[0], sd, "layers.0.", c.num_attention_heads, c.num_key_value_heads, theta, c.rms_norm_eps)
     assert rel_err(out, hs[1]) < TOL
 

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FAMILIES
 from jaxspec.cache import KVCache
+
+from helpers import FAMILIES
 
 
 def load_dir(path, dtype="float32"):

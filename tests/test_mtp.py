@@ -13,29 +13,15 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from conftest import make_hf_model
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.models.mtp import build_mtp, mtp_config, mtp_key
-from jaxspec.models.params import module_tensors
-from test_spec import chi2_pvalue, exact_pair_distribution, sample_pairs
+
+from helpers import chi2_pvalue, exact_pair_distribution, make_hf_model, mtp_tensors, sample_pairs
 
 V = 16
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 1, 2, 3, 4], [4]]
 GREEDY = dict(temperature=0, max_new_tokens=20, ignore_eos=True)
-
-
-def mtp_tensors(kind: str, config: dict, prefix: str, seed: int, scale: float = 8.0) -> dict:
-    """Random MTP tensors under `prefix` (large weights so that the draft is confident and often right
-    by chance over a 16-token vocabulary), plus the shared tensors a real checkpoint carries."""
-    head = build_mtp(kind, mtp_config(config), jnp.float32, nnx.Rngs(seed))
-    t = module_tensors(head, mtp_key(prefix))
-    t = {k: (v if "norm" in k else v * scale) for k, v in t.items()}
-    if kind == "NEXTN":  # present in DeepSeek checkpoints, shared with the target (ignored on load)
-        h = config["hidden_size"]
-        t[prefix + "embed_tokens.weight"] = np.zeros((V, h), np.float32)
-        t[prefix + "shared_head.head.weight"] = np.zeros((V, h), np.float32)
-    return t
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.config import NgramConfig, SpecConfig
 from jaxspec.errors import JaxspecError
-from jaxspec.spec.proposers.ngram import SEP, Corpus, match_occurrences, ngram_tree
-from test_spec import GREEDY, PROMPTS, chi2_pvalue, engine, exact_pair_distribution, models, plain, sample_pairs  # noqa: F401
+from jaxspec.speculative.proposers.ngram import SEP, Corpus, match_occurrences, ngram_tree
+
+from helpers import (  # noqa: F401 - models and plain are fixtures
+    GREEDY,
+    PROMPTS,
+    chi2_pvalue,
+    engine,
+    exact_pair_distribution,
+    models,
+    ngram_config,
+    plain,
+    resolve_spec,
+    sample_pairs,
+)
 
 # history 1 2 3 4 | 1 2 3 5 | 1 2 3 4 | 1 2, x_L = 2: the suffix "3 4 1 2" occurs once in full
 # (followed by 3 5 1 2 3), "1 2" occurs three times.
@@ -18,7 +29,7 @@ HIST = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 4, 1, 2]
 
 
 def tree_for(hist, n, pad=4, **kw):
-    cfg = NgramConfig.build(**{"max_match_window_size": 4, "branch_length": 6, **kw})
+    cfg = ngram_config(**{"max_match_window_size": 4, "branch_length": 6, **kw})
     seq = jnp.asarray([hist + [SEP] * pad], jnp.int32)
     t = ngram_tree(seq, jnp.asarray([len(hist)]), jnp.asarray([hist[-1]]), cfg, n)
     return [np.asarray(x)[0].tolist() for x in (t.tokens, t.parent, t.depth)]
@@ -83,22 +94,22 @@ def test_corpus_keeps_the_newest_tokens():
 ])
 def test_validation(kw, msg):
     with pytest.raises(JaxspecError, match=msg):
-        NgramConfig.build(**kw)
+        ngram_config(**kw)
 
 
 def test_resolution(monkeypatch):
-    s = SpecConfig.resolve("ngram")
+    s = resolve_spec("ngram")
     assert s.algorithm == "NGRAM" and s.num_draft_tokens == 12 and s.num_steps == 11 and s.ngram.match_type == "BFS"
-    assert s.ngram == NgramConfig.build()  # SGLang's defaults
-    assert SpecConfig.resolve("NGRAM", num_draft_tokens=6, ngram={"match_type": "prob"}).ngram.match_type == "PROB"
+    assert s.ngram == ngram_config()  # SGLang's defaults
+    assert resolve_spec("NGRAM", num_draft_tokens=6, ngram={"match_type": "prob"}).ngram.match_type == "PROB"
     assert not s.ngram.force_greedy_verify
     monkeypatch.setenv("JAXSPEC_NGRAM_FORCE_GREEDY_VERIFY", "1")
-    assert SpecConfig.resolve("NGRAM").ngram.force_greedy_verify
+    assert resolve_spec("NGRAM").ngram.force_greedy_verify
     with pytest.raises(JaxspecError, match=">= 2"):
-        SpecConfig.resolve("NGRAM", num_draft_tokens=1)
+        resolve_spec("NGRAM", num_draft_tokens=1)
 
 
-def ngram_engine(models, **kw):
+def ngram_engine(models, **kw):  # noqa: F811
     from jaxspec.engine import Engine
 
     return Engine(models["target"], skip_tokenizer_init=True, show_progress=False, chunked_prefill_size=4, speculative_algorithm="NGRAM", **kw)

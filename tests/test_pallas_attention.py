@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.spec.tree import build_tree
+from jaxspec.speculative.tree import build_tree
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
 from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
 
@@ -108,7 +108,7 @@ GREEDY = dict(temperature=0, max_new_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from conftest import make_hf_model, save_eagle_head
+    from helpers import make_hf_model, save_eagle_head
 
     d = tmp_path_factory.mktemp("pallas")
     tgt = make_hf_model("llama", 3, vocab_size=V, num_hidden_layers=3, initializer_range=0.3,

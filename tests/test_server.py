@@ -10,108 +10,18 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
-from conftest import make_hf_model
-
-KEY = "sk-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import KEY, Server, model_dirs, serve_subprocess, start  # noqa: F401 - model_dirs is a fixture
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    """A tiny random target and draft with the real SmolLM2 tokenizer (so chat templates work)."""
-    from transformers import AutoTokenizer
-
-    from jaxspec.default_model import default_model_path
-
-    tok = AutoTokenizer.from_pretrained(default_model_path(progress=False))
-    d = tmp_path_factory.mktemp("serve")
-    kw = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, initializer_range=0.2,
-              max_position_embeddings=512)
-    for name, seed, layers in (("target", 3, 2), ("draft", 4, 1)):
-        make_hf_model("llama", seed, num_hidden_layers=layers, **kw).save_pretrained(d / name)
-        tok.save_pretrained(d / name)
-    return {"target": str(d / "target"), "draft": str(d / "draft")}
-
-
-class Server:
-    def __init__(self, app, sched):
-        import uvicorn
-
-        self.port = free_port()
-        self.sched = sched
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        t = time.time()
-        while not self.server.started:
-            assert time.time() - t < 60 and self.thread.is_alive(), "server did not start"
-            time.sleep(0.05)
-
-    def request(self, method, path, body=None, headers=None, raw: bytes | None = None):
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})}
-        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        c.request(method, path, body=data, headers=h)
-        r = c.getresponse()
-        text = r.read().decode()
-        c.close()
-        try:
-            return r.status, json.loads(text), dict(r.getheaders())
-        except json.JSONDecodeError:
-            return r.status, text, dict(r.getheaders())
-
-    def stream(self, path, body):
-        """SSE events (parsed JSON) until [DONE]."""
-        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        c.request("POST", path, body=json.dumps({**body, "stream": True}), headers={"Authorization": f"Bearer {KEY}"})
-        r = c.getresponse()
-        assert r.status == 200, r.read()
-        events = []
-        for line in r:
-            line = line.decode().strip()
-            if line == "data: [DONE]":
-                break
-            if line.startswith("data: "):
-                events.append(json.loads(line[6:]))
-        c.close()
-        return events
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sched.shutdown()
-
-
-def start(model_dirs, **flags):
-    from jaxspec.cli import build_parser
-    from server.launch import build
-
-    argv = ["serve", "--model-path", model_dirs["target"], "--api-key", KEY, "--context-length", "256", "--log-level", "error"]
-    if not flags.pop("background_compile", False):  # spare the 2 test cores
-        argv.append("--disable-background-compile")
-    for k, v in flags.items():
-        argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
-    app, sched = build(build_parser().parse_args(argv), progress=False)
-    return Server(app, sched)
-
-
-@pytest.fixture(scope="module")
-def spec_server(model_dirs):
+def spec_server(model_dirs):  # noqa: F811
     s = start(model_dirs, speculative_algorithm="STANDALONE", speculative_draft_model_path=model_dirs["draft"],
               speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=4, max_running_requests=4,
               max_queued_requests=6, cuda_graph_max_bs=2, max_request_bytes=4096)
@@ -376,7 +286,7 @@ def test_metrics_and_server_info(spec_server):
     assert "api_key" not in info
 
 
-def test_plain_server_and_overlap_off(model_dirs):
+def test_plain_server_and_overlap_off(model_dirs):  # noqa: F811
     """NONE + overlap off: same greedy tokens as the offline engine."""
     from jaxspec.engine import Engine
 
@@ -390,38 +300,14 @@ def test_plain_server_and_overlap_off(model_dirs):
         s.stop()
 
 
-def test_out_of_memory_is_a_clear_startup_error(model_dirs):
+def test_out_of_memory_is_a_clear_startup_error(model_dirs):  # noqa: F811
     from jaxspec.errors import JaxspecError
 
-    with pytest.raises(JaxspecError, match="out of memory.*--context-length.*--max-running-requests"):
+    with pytest.raises(JaxspecError, match=r"out of memory.*--context-length.*--max-running-requests"):
         start(model_dirs, mem_fraction_static=1e-9)
 
 
-def serve_subprocess(flags: list[str]) -> tuple[subprocess.Popen, int]:
-    """`python -m jaxspec.cli serve FLAGS` on a free port, returned once /health answers 200:
-    (the process, with stdout and stderr merged into p.stdout; its port)."""
-    port = free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    p = subprocess.Popen([sys.executable, "-m", "jaxspec.cli", "serve", "--port", str(port)] + flags,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-    t = time.time()
-    while True:
-        if p.poll() is not None:
-            raise AssertionError(p.stdout.read())
-        try:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            c.request("GET", "/health")
-            if c.getresponse().status == 200:
-                return p, port
-        except OSError:
-            pass
-        if time.time() - t > 120:
-            p.kill()
-            raise AssertionError("jaxspec serve did not answer /health within 120 s")
-        time.sleep(0.3)
-
-
-def test_sigterm_finishes_inflight_stream(model_dirs):
+def test_sigterm_finishes_inflight_stream(model_dirs):  # noqa: F811
     p, port = serve_subprocess(["--model-path", model_dirs["target"], "--context-length", "512", "--speculative-algorithm", "NONE",
                                 "--disable-cuda-graph"])
     try:

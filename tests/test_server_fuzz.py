@@ -34,7 +34,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_server import KEY, Server, model_dirs, start  # noqa: F401 - model_dirs is a fixture
+from helpers import KEY, Server, model_dirs, start  # noqa: F401 - model_dirs is a fixture
 
 TOTAL = int(os.environ.get("JAXSPEC_FUZZ_EXAMPLES", "1000"))
 MAX_BYTES = 8192  # the server's --max-request-bytes
@@ -294,7 +294,7 @@ raw_bodies = st.one_of(
 
 
 @pytest.fixture(scope="module")
-def srv(model_dirs):  # noqa: F811 - pytest fixture imported from test_server
+def srv(model_dirs):  # noqa: F811 - pytest fixture imported from helpers
     s = start(model_dirs, speculative_algorithm="NONE", max_running_requests=1, cuda_graph_max_bs=1, context_length=CONTEXT,
               max_request_bytes=MAX_BYTES)
     s.reference = greedy_reference(s)  # before any fuzzing

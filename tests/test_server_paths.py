@@ -29,6 +29,7 @@ Checked:
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import signal
 import socket
@@ -38,8 +39,7 @@ import types
 
 import pytest
 
-from conftest import make_hf_model
-from test_server import KEY, serve_subprocess, start
+from helpers import KEY, make_hf_model, serve_subprocess, start
 
 S = 3  # speculative_num_steps of the self-drafting server (a chain: topk 1, num_draft_tokens S + 1)
 K = 2  # --num-continuous-decode-steps: rounds per dispatch, i.e. per stream delta
@@ -79,7 +79,7 @@ def dirs(tmp_path_factory, tok):
     tok.save_pretrained(d / "target")
 
     chain = tok.encode(SCRIPT, add_special_tokens=False)
-    succ = dict(zip(chain, chain[1:]))
+    succ = dict(itertools.pairwise(chain))
     assert len(succ) == len(chain) - 1 and NEWLINE not in succ  # every token has one successor
     succ[chain[-1]] = succ[NEWLINE] = chain[1]
     m = make_hf_model("llama", 7, num_hidden_layers=1, max_position_embeddings=2048, **kw)

@@ -1,7 +1,7 @@
 """Continuous batching (jaxspec/serving.py + server/scheduler.py) without HTTP.
 
 More requests than slots, joining and leaving between dispatches: every temperature-0 output is
-token-identical to the offline engine (which tests/test_spec.py ties to plain greedy decoding),
+token-identical to the offline engine (which tests/test_speculative.py ties to plain greedy decoding),
 for plain decoding and every algorithm, with some requests opting out of speculation. Seeded
 sampling reproduces the offline engine's tokens exactly (same keys), so the offline
 distribution tests carry over. Cancellation frees the slot and stops it on the device.
@@ -12,10 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import make_hf_model, save_eagle_head
 from jaxspec.engine import Engine
 from jaxspec.sampling import SamplingParams
 from server.scheduler import Request, Scheduler
+
+from helpers import make_hf_model, save_eagle_head
 
 V = 16
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 1, 2, 3, 4], [4], [2, 3, 4, 5, 6, 7], [3] * 20]
@@ -192,7 +193,7 @@ def test_long_prefill_interleaves_with_decoding(models):
 def test_opted_out_sampling_matches_target_distribution(models):
     """Requests that turn speculation off on a speculative server sample inside the round
     (spec_round(plain=...)); their tokens 2 and 3 must follow the target distribution (chi-square)."""
-    from test_spec import chi2_pvalue, exact_pair_distribution
+    from helpers import chi2_pvalue, exact_pair_distribution
 
     prompt, n = [3, 1, 4], 4096
     probs = exact_pair_distribution(models["hf"], prompt, 1.0)

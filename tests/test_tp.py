@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from conftest import make_hf_model, save_eagle_head
+from helpers import make_hf_model, save_eagle_head
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 V = 16  # divisible by 2 and 4: the embedding and LM head are split too
@@ -173,7 +173,7 @@ def _tiny_checks(d: str) -> dict:
         if algo != "NONE":
             res["rounds"][f"{algo}/{tp}"] = sum(o["meta_info"]["spec_verify_ct"] for o in out)
         if algo == "EAGLE3":
-            shard = lambda x: list(x.sharding.shard_shape(x.shape))  # noqa: E731
+            shard = lambda x: list(x.sharding.shard_shape(x.shape))
             p, layer = eng.params, eng.params["layers"][0]
             cache = KVCache.create(eng.cfg, len(PROMPTS), 64, eng.dtype, eng.kv_sharding)
             cache, _ = prefill_chunk(eng.graphdef, eng.params, cache, jnp.asarray([(x + [0] * 4)[:4] for x in PROMPTS]), jnp.int32(0),

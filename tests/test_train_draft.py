@@ -8,11 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from conftest import make_hf_model
 from jaxspec.engine import Engine
 from jaxspec.loader import load
 from jaxspec.train.data import Example, draft_vocab, load_conversations, tokenize
 from jaxspec.train.trainer import TrainConfig, Trainer
+
+from helpers import make_hf_model
 
 V = 64
 

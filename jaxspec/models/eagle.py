@@ -20,7 +20,6 @@ Checkpoint keys (an optional "model." prefix is stripped):
 
 from __future__ import annotations
 
-
 import jax.numpy as jnp
 from flax import nnx
 

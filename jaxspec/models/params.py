@@ -8,7 +8,7 @@ All missing / mismatched tensors are reported together.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import jax.numpy as jnp
 import numpy as np
@@ -49,7 +49,7 @@ def load_model(
     from jaxspec.models.mtp import is_mtp_tensor
 
     # MTP modules a checkpoint may carry are drafts (models/mtp.py), not part of the target.
-    ignore = lambda n: n.endswith(IGNORED_SUFFIXES) or (n == "lm_head.weight" and cfg.tie_word_embeddings) or is_mtp_tensor(n, cfg.num_layers)  # noqa: E731
+    ignore = lambda n: n.endswith(IGNORED_SUFFIXES) or (n == "lm_head.weight" and cfg.tie_word_embeddings) or is_mtp_tensor(n, cfg.num_layers)
     return load_module(lambda: LlamaForCausalLM(cfg, dtype, rngs=nnx.Rngs(0)), hf_key, names, get, dtype, progress, desc, ignore, place)
 
 

@@ -27,7 +27,6 @@ from jaxspec.errors import JaxspecError
 from jaxspec.train.data import Example, draft_vocab, pad_batch
 from jaxspec.train.losses import eagle2_loss, eagle3_ttt_loss
 
-
 LM_HEAD_INIT_SCALE = 0.25  # EAGLE-3 warm start: draft LM head = this x the target's rows
 LENGTH_BUCKET = 128  # training batches are padded to a multiple of this (at most max_len)
 

@@ -52,7 +52,7 @@ class Proposer:
         return KVCache.create(self.cfg, batch, max_len, dtype)
 
     def propose_tree(self, dparams, state: DraftState, last, spec):
-        """builds_tree proposers: the round's Tree (jaxspec.spec.tree) below x_L = last [B]."""
+        """builds_tree proposers: the round's Tree (jaxspec.speculative.tree) below x_L = last [B]."""
         raise NotImplementedError
 
     def prefill_chunk(self, dparams, tgt, cache: KVCache, tokens, feats, start, commit_lens) -> KVCache:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.sampling import SamplingTensors, target_probs
-from jaxspec.spec.tree import Tree
+from jaxspec.speculative.tree import Tree
 
 
 @jax.tree_util.register_dataclass
@@ -112,6 +112,6 @@ def verify(tree: Tree, logits, st: SamplingTensors, key, num_steps: int, thr_sin
         jnp.all(is_greedy), lambda: g,
         lambda: sample_verify(tree, logits, st, key, num_steps, thr_single, thr_acc),
     )
-    pick = lambda a, c: jnp.where(is_greedy.reshape((-1,) + (1,) * (a.ndim - 1)), a, c)  # noqa: E731
+    pick = lambda a, c: jnp.where(is_greedy.reshape((-1,) + (1,) * (a.ndim - 1)), a, c)
     return jax.tree_util.tree_map(pick, g, s)
 

@@ -14,10 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.cache import KVCache
-from jaxspec.errors import JaxspecError
 from jaxspec.decode import pick_rows
-from jaxspec.spec.proposers.base import DraftState, Proposer, load_token_map
+from jaxspec.errors import JaxspecError
+from jaxspec.speculative.proposers.base import DraftState, Proposer, load_token_map
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

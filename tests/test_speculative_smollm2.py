@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from conftest import save_eagle_head
 from jaxspec.default_model import default_model_path
 from jaxspec.engine import Engine
+
+from helpers import save_eagle_head
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about autumn."]
 SP = {"temperature": 0, "max_new_tokens": 24}

@@ -13,47 +13,20 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_hf_model, save_eagle_head
-from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 
-V = 16  # a small vocabulary so that random drafts get accepted often enough to exercise commits
-PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 1, 2, 3, 4], [4], [2, 3, 4, 5, 6, 7]]
-GREEDY = dict(temperature=0, max_new_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("spec")
-    tgt = make_hf_model("llama", 3, vocab_size=V, num_hidden_layers=4, initializer_range=0.3)
-    tgt.save_pretrained(d / "target")
-    make_hf_model("llama", 5, vocab_size=V, num_hidden_layers=1, initializer_range=0.3).save_pretrained(d / "small")
-    make_hf_model("llama", 3, vocab_size=V, num_hidden_layers=4, initializer_range=1.0).save_pretrained(d / "sharp")
-    cfg = tgt.config.to_dict()
-    return {
-        "target": str(d / "target"),
-        "small": str(d / "small"),
-        "sharp": str(d / "sharp"),
-        "eagle": save_eagle_head(d / "eagle", "EAGLE", cfg, seed=1, scale=10.0),
-        "eagle3": save_eagle_head(d / "eagle3", "EAGLE3", cfg, seed=2, draft_vocab=12, scale=10.0, aux_layer_ids=[0, 1, 2]),
-        "hf": tgt,
-    }
-
-
-def engine(models, algo=None, draft=None, knobs=None, target="target", **kw):
-    spec = {}
-    if algo:
-        spec = dict(speculative_algorithm=algo, speculative_draft_model_path=models[draft])
-        if knobs:
-            spec.update(speculative_num_steps=knobs[0], speculative_eagle_topk=knobs[1], speculative_num_draft_tokens=knobs[2])
-    return Engine(models[target], skip_tokenizer_init=True, show_progress=False, chunked_prefill_size=4, **spec, **kw)
-
-
-@pytest.fixture(scope="module")
-def plain(models):
-    eng = engine(models)
-    return {len(p): r["output_ids"] for p, r in zip(PROMPTS, eng.generate(input_ids=PROMPTS, sampling_params=GREEDY))}
-
+from helpers import (  # noqa: F401 - models and plain are fixtures
+    GREEDY,
+    PROMPTS,
+    V,
+    chi2_pvalue,
+    engine,
+    exact_pair_distribution,
+    make_hf_model,
+    models,
+    plain,
+    sample_pairs,
+)
 
 CASES = [
     ("STANDALONE", "small", (3, 1, 4)),
@@ -69,7 +42,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("algo,draft,knobs", CASES, ids=[f"{a}-{k[0]}-{k[1]}-{k[2]}" for a, _, k in CASES])
-def test_greedy_identical_to_plain(models, plain, algo, draft, knobs):
+def test_greedy_identical_to_plain(models, plain, algo, draft, knobs):  # noqa: F811
     eng = engine(models, algo, draft, knobs)
     out = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     for p, r in zip(PROMPTS, out):
@@ -83,7 +56,7 @@ def test_greedy_identical_to_plain(models, plain, algo, draft, knobs):
 
 
 @pytest.mark.parametrize("target,knobs", [("target", (4, 1, 5)), ("sharp", (4, 2, 8))])
-def test_target_as_its_own_draft_accepts_everything(models, target, knobs):
+def test_target_as_its_own_draft_accepts_everything(models, target, knobs):  # noqa: F811
     """The engine's ceiling: every draft token is accepted, so each round emits num_steps + 1.
 
     For a tree this holds only when the draft's greedy chain survives the rerank to N - 1 nodes,
@@ -98,7 +71,7 @@ def test_target_as_its_own_draft_accepts_everything(models, target, knobs):
         assert r["meta_info"]["spec_accept_length"] == pytest.approx(26 / 5)
 
 
-def test_metrics_and_stops(models, plain):
+def test_metrics_and_stops(models, plain):  # noqa: F811
     eng = engine(models, "EAGLE3", "eagle3", (3, 2, 6))
     ref = plain[len(PROMPTS[0])]
     stop = ref[5]
@@ -111,7 +84,7 @@ def test_metrics_and_stops(models, plain):
     assert len(m["spec_accept_histogram"]) == 4
 
 
-def test_token_map(models, plain, tmp_path, caplog):
+def test_token_map(models, plain, tmp_path, caplog):  # noqa: F811
     ids = sorted(set(range(0, V, 2)) | {1})
     (tmp_path / "map.txt").write_text(" ".join(map(str, ids)))
     np.save(tmp_path / "map.npy", np.asarray(ids))
@@ -126,7 +99,7 @@ def test_token_map(models, plain, tmp_path, caplog):
     assert "ignored for EAGLE3" in caplog.text
 
 
-def test_draft_errors(models, tmp_path):
+def test_draft_errors(models, tmp_path):  # noqa: F811
     make_hf_model("llama", 5, vocab_size=V + 3, num_hidden_layers=1).save_pretrained(tmp_path / "other")
     models = dict(models, other=str(tmp_path / "other"))
     with pytest.raises(JaxspecError, match="vocab_size"):
@@ -137,39 +110,8 @@ def test_draft_errors(models, tmp_path):
         engine(models, "EAGLE", "eagle").generate(input_ids=[1, 2], sampling_params={"repetition_penalty": 1.2})
 
 
-def exact_pair_distribution(hf, prompt, temperature):
-    """P(t1, t2) of the 2nd and 3rd generated tokens under the target (torch reference), t0 summed out."""
-    with torch.no_grad():
-        p = lambda ids: torch.softmax(hf(torch.tensor(ids)).logits[:, -1] / temperature, -1).numpy()  # noqa: E731
-        p0 = p([prompt])[0]
-        p1 = p([prompt + [a] for a in range(V)])  # [t0, t1]
-        p2 = p([prompt + [a, b] for a in range(V) for b in range(V)]).reshape(V, V, V)  # [t0, t1, t2]
-    return np.einsum("a,ab,abc->bc", p0, p1, p2)
-
-
-def sample_pairs(eng, prompt, n, temperature):
-    seeds = np.arange(n)
-    out = eng.generate(input_ids=[prompt] * n, sampling_params=[dict(temperature=temperature, max_new_tokens=3, ignore_eos=True, seed=int(s)) for s in seeds])
-    counts = np.zeros((V, V))
-    for r in out:
-        counts[r["output_ids"][1], r["output_ids"][2]] += 1
-    return counts
-
-
-def chi2_pvalue(counts, probs):
-    from scipy.stats import chisquare
-
-    n = counts.sum()
-    exp = probs.reshape(-1) * n
-    obs = counts.reshape(-1)
-    big = exp >= 5
-    o = np.append(obs[big], obs[~big].sum())
-    e = np.append(exp[big], exp[~big].sum())
-    return chisquare(o, e * o.sum() / e.sum()).pvalue
-
-
 @pytest.mark.parametrize("algo,draft", [("STANDALONE", "small"), ("EAGLE3", "eagle3")])
-def test_sampling_matches_target_distribution(models, algo, draft):
+def test_sampling_matches_target_distribution(models, algo, draft):  # noqa: F811
     prompt, temp, n = [3, 1, 4], 1.0, 4096
     probs = exact_pair_distribution(models["hf"], prompt, temp)
     eng = engine(models, algo, draft, (3, 2, 6), max_running_requests=512)
@@ -181,7 +123,7 @@ def test_sampling_matches_target_distribution(models, algo, draft):
     assert chi2_pvalue(sample_pairs(lossy, prompt, n, temp), probs) < 1e-3
 
 
-def test_convert_eagle_bin_checkpoint(models, plain, tmp_path):
+def test_convert_eagle_bin_checkpoint(models, plain, tmp_path):  # noqa: F811
     """An EAGLE-3 head shipped as pytorch_model.bin converts to safetensors and loads the same."""
     import shutil
 

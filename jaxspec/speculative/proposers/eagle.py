@@ -1,4 +1,4 @@
-"""EAGLE-1/2 and EAGLE-3 heads as proposers (DESIGN.md §4).
+"""EAGLE-1/2 and EAGLE-3 heads as proposers.
 
 Draft entry p holds (token x_{p+1}, target feature h_p) at position p. Prefill writes entries
 0 .. P-2 chunk by chunk; the extend after each verification (and once after prefill) writes
@@ -16,10 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.cache import KVCache
-from jaxspec.errors import JaxspecError
 from jaxspec.decode import pick_rows
-from jaxspec.spec.proposers.base import DraftState, Proposer, load_token_map
+from jaxspec.errors import JaxspecError
+from jaxspec.speculative.proposers.base import DraftState, Proposer, load_token_map
 
 logger = logging.getLogger("jaxspec")
 
@@ -105,7 +104,7 @@ def load_eagle(spec, target, dtype, progress=True):
         raise JaxspecError(f"draft hidden_size {cfg.hidden_size} != target hidden_size {target.cfg.hidden_size}")
     names = {_strip(n): n for n in src.names}
     jdt = jnp_dtype(dtype)
-    ignore = lambda n: n in ("t2d", "embed_tokens.weight", "lm_head.weight") or n.endswith("rotary_emb.inv_freq")  # noqa: E731
+    ignore = lambda n: n in ("t2d", "embed_tokens.weight", "lm_head.weight") or n.endswith("rotary_emb.inv_freq")
     head = load_module(lambda: build_eagle(kind, cfg, extra, jdt, nnx.Rngs(0)), eagle_key, names, lambda n: src.get(names[n]), jdt, progress,
                        desc=f"loading {os.path.basename(path.rstrip('/'))}", ignore=ignore)
     graphdef, params = nnx.split(head)

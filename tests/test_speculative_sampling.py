@@ -37,8 +37,9 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from conftest import make_hf_model, save_eagle_head
 from jaxspec.engine import Engine
+
+from helpers import make_hf_model, save_eagle_head
 
 V = 16
 LAYERS = 3
@@ -84,7 +85,7 @@ LOSSY = dict(speculative_accept_threshold_acc=0.8)
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """The target (with a NextN MTP module in its checkpoint) and a random EAGLE-3 head for it."""
-    from test_mtp import mtp_tensors
+    from helpers import mtp_tensors
 
     d = tmp_path_factory.mktemp("spec_sampling")
     hf = make_hf_model("llama", 3, vocab_size=V, num_hidden_layers=LAYERS, initializer_range=0.3)

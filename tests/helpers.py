@@ -1,0 +1,345 @@
+"""What several test modules share, in one place instead of imports from conftest.py or from other
+test modules: tiny random HF models of each family built with torch (the reference) and random
+EAGLE / EAGLE-3 heads and MTP tensors for them; the tiny speculative-decoding setup of
+tests/test_speculative.py (a 16-token vocabulary, its prompts, the `models` and `plain` fixtures,
+an `engine` factory) with the chi-square check that sampled tokens follow the target distribution;
+a real uvicorn server over a tiny target with SmolLM2's tokenizer (the `model_dirs` fixture,
+`Server`, `start`, `serve_subprocess`); and `resolve_spec` / `ngram_config`, which build
+`SpecConfig` / `NgramConfig` from short flag names. The fixtures here are module-scoped and take
+effect in a module that imports them (each such module builds its own); heavy libraries (torch,
+JAX, jaxspec) are imported inside the functions, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+# ---- tiny random models -------------------------------------------------------------------------
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+
+# family -> (transformers config class name, model class name, extra config kwargs)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0)),
+    "llama_tied_bias": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, attention_bias=True, num_key_value_heads=1)),
+    "llama31": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=500000.0, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16))),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6, head_dim=16)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+}
+
+
+def make_hf_model(family: str, seed: int = 0, **overrides):
+    import torch
+    import transformers
+
+    cfg_cls, model_cls, extra = FAMILIES[family]
+    kw = {**TINY, **extra, **overrides}
+    cfg = getattr(transformers, cfg_cls)(**kw)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(cfg).float().eval()
+    with torch.no_grad():  # random norms and biases so that every tensor matters
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif n.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+def tiny_model(family="llama", seed=0, **overrides):
+    """A tiny random jaxspec model (via its HF twin, so it is a valid checkpoint too)."""
+    from jaxspec.config import ModelConfig
+    from jaxspec.models.params import load_model
+
+    m = make_hf_model(family, seed, **overrides)
+    sd = {k: v.detach().numpy() for k, v in m.state_dict().items()}
+    cfg = ModelConfig.from_hf(m.config.to_dict())
+    return load_model(cfg, sd.keys(), sd.__getitem__, progress=False), m
+
+
+def save_eagle_head(path, kind: str, target_hf_config: dict, seed: int = 0, draft_vocab: int | None = None, scale: float = 1.0, aux_layer_ids=None):
+    """Writes a random EAGLE ("EAGLE") or EAGLE-3 ("EAGLE3") head in the public checkpoint layout."""
+    import json
+    import os
+
+    import jax.numpy as jnp
+    from flax import nnx
+    from safetensors.numpy import save_file
+
+    from jaxspec.models.eagle import build_eagle, eagle_config, eagle_key
+    from jaxspec.models.params import module_tensors
+
+    arch = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}[kind]
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+            "max_position_embeddings", "rope_theta", "bos_token_id", "eos_token_id", "head_dim")
+    cfg = {k: target_hf_config[k] for k in keep if target_hf_config.get(k) is not None}
+    cfg.update(architectures=[arch], model_type="llama", num_hidden_layers=1, hidden_act="silu", tie_word_embeddings=False)
+    if kind == "EAGLE3":
+        cfg["draft_vocab_size"] = draft_vocab or cfg["vocab_size"]
+        if aux_layer_ids is not None:
+            cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
+    _, mcfg, extra = eagle_config(cfg)
+    head = build_eagle(kind, mcfg, extra, jnp.float32, nnx.Rngs(seed))
+    t = module_tensors(head, eagle_key)
+    rng = np.random.default_rng(seed)
+    for k in t:
+        if t[k].dtype == np.float32 and not k.endswith("norm.weight"):
+            t[k] = t[k] * scale
+    if kind == "EAGLE3":
+        v, dv = cfg["vocab_size"], cfg["draft_vocab_size"]
+        ids = np.sort(rng.choice(v, dv, replace=False))
+        t["d2t"] = (ids - np.arange(dv)).astype(np.int64)
+        t["t2d"] = np.isin(np.arange(v), ids)
+    os.makedirs(path, exist_ok=True)
+    save_file({("model." + k if k.startswith("layers") else k): v for k, v in t.items()}, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(path)
+
+
+# ---- speculative decoding on a tiny target (tests/test_speculative.py) -------------------------
+
+V = 16  # a small vocabulary so that random drafts get accepted often enough to exercise commits
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 1, 2, 3, 4], [4], [2, 3, 4, 5, 6, 7]]
+GREEDY = dict(temperature=0, max_new_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spec")
+    tgt = make_hf_model("llama", 3, vocab_size=V, num_hidden_layers=4, initializer_range=0.3)
+    tgt.save_pretrained(d / "target")
+    make_hf_model("llama", 5, vocab_size=V, num_hidden_layers=1, initializer_range=0.3).save_pretrained(d / "small")
+    make_hf_model("llama", 3, vocab_size=V, num_hidden_layers=4, initializer_range=1.0).save_pretrained(d / "sharp")
+    cfg = tgt.config.to_dict()
+    return {
+        "target": str(d / "target"),
+        "small": str(d / "small"),
+        "sharp": str(d / "sharp"),
+        "eagle": save_eagle_head(d / "eagle", "EAGLE", cfg, seed=1, scale=10.0),
+        "eagle3": save_eagle_head(d / "eagle3", "EAGLE3", cfg, seed=2, draft_vocab=12, scale=10.0, aux_layer_ids=[0, 1, 2]),
+        "hf": tgt,
+    }
+
+
+def engine(models, algo=None, draft=None, knobs=None, target="target", **kw):
+    from jaxspec.engine import Engine
+
+    spec = {}
+    if algo:
+        spec = dict(speculative_algorithm=algo, speculative_draft_model_path=models[draft])
+        if knobs:
+            spec.update(speculative_num_steps=knobs[0], speculative_eagle_topk=knobs[1], speculative_num_draft_tokens=knobs[2])
+    return Engine(models[target], skip_tokenizer_init=True, show_progress=False, chunked_prefill_size=4, **spec, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain(models):
+    eng = engine(models)
+    return {len(p): r["output_ids"] for p, r in zip(PROMPTS, eng.generate(input_ids=PROMPTS, sampling_params=GREEDY))}
+
+
+def exact_pair_distribution(hf, prompt, temperature):
+    """P(t1, t2) of the 2nd and 3rd generated tokens under the target (torch reference), t0 summed out."""
+    import torch
+
+    with torch.no_grad():
+        p = lambda ids: torch.softmax(hf(torch.tensor(ids)).logits[:, -1] / temperature, -1).numpy()
+        p0 = p([prompt])[0]
+        p1 = p([prompt + [a] for a in range(V)])  # [t0, t1]
+        p2 = p([prompt + [a, b] for a in range(V) for b in range(V)]).reshape(V, V, V)  # [t0, t1, t2]
+    return np.einsum("a,ab,abc->bc", p0, p1, p2)
+
+
+def sample_pairs(eng, prompt, n, temperature):
+    seeds = np.arange(n)
+    out = eng.generate(input_ids=[prompt] * n, sampling_params=[dict(temperature=temperature, max_new_tokens=3, ignore_eos=True, seed=int(s)) for s in seeds])
+    counts = np.zeros((V, V))
+    for r in out:
+        counts[r["output_ids"][1], r["output_ids"][2]] += 1
+    return counts
+
+
+def chi2_pvalue(counts, probs):
+    from scipy.stats import chisquare
+
+    n = counts.sum()
+    exp = probs.reshape(-1) * n
+    obs = counts.reshape(-1)
+    big = exp >= 5
+    o = np.append(obs[big], obs[~big].sum())
+    e = np.append(exp[big], exp[~big].sum())
+    return chisquare(o, e * o.sum() / e.sum()).pvalue
+
+
+# ---- MTP modules (tests/test_mtp.py) ------------------------------------------------------------
+
+
+def mtp_tensors(kind: str, config: dict, prefix: str, seed: int, scale: float = 8.0) -> dict:
+    """Random MTP tensors under `prefix` (large weights so that the draft is confident and often right
+    by chance over a 16-token vocabulary), plus the shared tensors a real checkpoint carries."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxspec.models.mtp import build_mtp, mtp_config, mtp_key
+    from jaxspec.models.params import module_tensors
+
+    head = build_mtp(kind, mtp_config(config), jnp.float32, nnx.Rngs(seed))
+    t = module_tensors(head, mtp_key(prefix))
+    t = {k: (v if "norm" in k else v * scale) for k, v in t.items()}
+    if kind == "NEXTN":  # present in DeepSeek checkpoints, shared with the target (ignored on load)
+        h = config["hidden_size"]
+        t[prefix + "embed_tokens.weight"] = np.zeros((V, h), np.float32)
+        t[prefix + "shared_head.head.weight"] = np.zeros((V, h), np.float32)
+    return t
+
+
+# ---- `jaxspec serve` over HTTP (tests/test_server.py) -------------------------------------------
+
+KEY = "sk-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """A tiny random target and draft with the real SmolLM2 tokenizer (so chat templates work)."""
+    from transformers import AutoTokenizer
+
+    from jaxspec.default_model import default_model_path
+
+    tok = AutoTokenizer.from_pretrained(default_model_path(progress=False))
+    d = tmp_path_factory.mktemp("serve")
+    kw = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, initializer_range=0.2,
+              max_position_embeddings=512)
+    for name, seed, layers in (("target", 3, 2), ("draft", 4, 1)):
+        make_hf_model("llama", seed, num_hidden_layers=layers, **kw).save_pretrained(d / name)
+        tok.save_pretrained(d / name)
+    return {"target": str(d / "target"), "draft": str(d / "draft")}
+
+
+class Server:
+    def __init__(self, app, sched):
+        import uvicorn
+
+        self.port = free_port()
+        self.sched = sched
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        t = time.time()
+        while not self.server.started:
+            assert time.time() - t < 60 and self.thread.is_alive(), "server did not start"
+            time.sleep(0.05)
+
+    def request(self, method, path, body=None, headers=None, raw: bytes | None = None):
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})}
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        c.request(method, path, body=data, headers=h)
+        r = c.getresponse()
+        text = r.read().decode()
+        c.close()
+        try:
+            return r.status, json.loads(text), dict(r.getheaders())
+        except json.JSONDecodeError:
+            return r.status, text, dict(r.getheaders())
+
+    def stream(self, path, body):
+        """SSE events (parsed JSON) until [DONE]."""
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        c.request("POST", path, body=json.dumps({**body, "stream": True}), headers={"Authorization": f"Bearer {KEY}"})
+        r = c.getresponse()
+        assert r.status == 200, r.read()
+        events = []
+        for line in r:
+            line = line.decode().strip()
+            if line == "data: [DONE]":
+                break
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+        c.close()
+        return events
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sched.shutdown()
+
+
+def start(model_dirs, **flags):
+    from jaxspec.cli import build_parser
+    from server.launch import build
+
+    argv = ["serve", "--model-path", model_dirs["target"], "--api-key", KEY, "--context-length", "256", "--log-level", "error"]
+    if not flags.pop("background_compile", False):  # spare the 2 test cores
+        argv.append("--disable-background-compile")
+    for k, v in flags.items():
+        argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    app, sched = build(build_parser().parse_args(argv), progress=False)
+    return Server(app, sched)
+
+
+def serve_subprocess(flags: list[str]) -> tuple[subprocess.Popen, int]:
+    """`python -m jaxspec.cli serve FLAGS` on a free port, returned once /health answers 200:
+    (the process, with stdout and stderr merged into p.stdout; its port)."""
+    port = free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    p = subprocess.Popen([sys.executable, "-m", "jaxspec.cli", "serve", "--port", str(port)] + flags,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    t = time.time()
+    while True:
+        if p.poll() is not None:
+            raise AssertionError(p.stdout.read())
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                return p, port
+        except OSError:
+            pass
+        if time.time() - t > 120:
+            p.kill()
+            raise AssertionError("jaxspec serve did not answer /health within 120 s")
+        time.sleep(0.3)
+
+
+# ---- speculative configs from short flag names ----------------------------------------------------
+
+
+def resolve_spec(algorithm, target=None, bundled=None, ngram=None, **short):
+    """`SpecConfig.resolve` with the flags by their short names: `draft_model_path`, `num_steps`,
+    `eagle_topk`, `num_draft_tokens`, `accept_threshold_single`, ... stand for `speculative_<name>`,
+    and `ngram={"match_type": ...}` for `speculative_ngram_<name>`."""
+    from jaxspec.args import SpeculativeArgs
+    from jaxspec.config import SpecConfig
+
+    kw = {"speculative_" + k: v for k, v in short.items()}
+    kw.update({"speculative_ngram_" + k: v for k, v in (ngram or {}).items()})
+    return SpecConfig.resolve(SpeculativeArgs(speculative_algorithm=algorithm, **kw), target, bundled=bundled)
+
+
+def ngram_config(**short):
+    """`NgramConfig` from the `--speculative-ngram-*` flags by their short names (`match_type`,
+    `max_match_window_size`, ...), validated; no flags: SGLang's defaults."""
+    from jaxspec.args import SpeculativeArgs
+    from jaxspec.config import NgramConfig
+
+    return NgramConfig.from_args(SpeculativeArgs(**{"speculative_ngram_" + k: v for k, v in short.items()}))
