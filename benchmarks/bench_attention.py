@@ -72,12 +72,17 @@ def kernels(smoke: bool):
                 # jax.nn.dot_product_attention needs the dense [B, 1, N, S] mask a tree implies.
                 col = jnp.arange(s)[None, None, :]
                 rel = col - kv_len[:, None, None]
-                dense = (rel < 0) | ((rel < n) & jnp.take_along_axis(mask, jnp.clip(rel, 0, n - 1).repeat(n, 1), axis=2))
+                dense = (rel < 0) | (
+                    (rel < n) & jnp.take_along_axis(mask, jnp.clip(rel, 0, n - 1).repeat(n, 1), axis=2)
+                )
                 dpa = jax.jit(lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m[:, None]))
                 t_dpa = median_ms(dpa, q, k, v, dense)
                 gbs = 2 * b * s * hkv * d * 2 / (t_ours * 1e-3) / 1e9
-                print(f"| {b} | {s} | {n} | {1e3 * t_ours:.0f} | {1e3 * t_ref:.0f} | {1e3 * t_dpa:.0f} | {gbs:.0f} | "
-                      f"{t_ref / t_ours:.2f}× | {t_dpa / t_ours:.2f}× |", flush=True)
+                print(
+                    f"| {b} | {s} | {n} | {1e3 * t_ours:.0f} | {1e3 * t_ref:.0f} | {1e3 * t_dpa:.0f} | {gbs:.0f} | "
+                    f"{t_ref / t_ours:.2f}× | {t_dpa / t_ours:.2f}× |",
+                    flush=True,
+                )
 
 
 def model(smoke: bool):
@@ -121,8 +126,10 @@ def model(smoke: bool):
     kind = jax.devices()[0].device_kind
     nominal = next((bw for name, bw in NOMINAL_HBM.items() if name in kind), None)
     measured = jax_read_bandwidth(1 << (24 if smoke else 31))
-    print(f"\nmodel: {wbytes / 1e9:.2f} GB bf16 weights, batch 1, context {ctx}; read bandwidth measured "
-          f"{measured / 1e9:.0f} GB/s" + (f", nominal {nominal / 1e9:.0f} GB/s" if nominal else ""))
+    print(
+        f"\nmodel: {wbytes / 1e9:.2f} GB bf16 weights, batch 1, context {ctx}; read bandwidth measured "
+        f"{measured / 1e9:.0f} GB/s" + (f", nominal {nominal / 1e9:.0f} GB/s" if nominal else "")
+    )
     print("| backend | decode step ms | " + " | ".join(f"verify N={n} ms (× decode)" for n in (8, 16, 32, 64)) + " |")
     print("|---|---|---|---|---|---|")
     for backend in ("xla", "pallas"):
@@ -132,17 +139,30 @@ def model(smoke: bool):
 
     new = 32 if smoke else 256
     for backend in ("xla", "pallas"):
-        eng = jaxspec.Engine.from_model(m, dtype="bfloat16", speculative_algorithm="NONE", attention_backend=backend,
-                                        skip_tokenizer_init=True, show_progress=False, context_length=s_len)
+        eng = jaxspec.Engine.from_model(
+            m,
+            dtype="bfloat16",
+            speculative_algorithm="NONE",
+            attention_backend=backend,
+            skip_tokenizer_init=True,
+            show_progress=False,
+            context_length=s_len,
+        )
         ids = list(range(10, 10 + ctx))
         sp = dict(temperature=0, max_new_tokens=new, ignore_eos=True)
         eng.generate(input_ids=ids, sampling_params=sp)  # compile
-        lat = statistics.median(eng.generate(input_ids=ids, sampling_params=sp)["meta_info"]["e2e_latency"] for _ in range(3))
-        r2 = statistics.median(eng.generate(input_ids=ids, sampling_params=dict(sp, max_new_tokens=1))["meta_info"]["e2e_latency"]
-                               for _ in range(3))  # prefill + first token
+        lat = statistics.median(
+            eng.generate(input_ids=ids, sampling_params=sp)["meta_info"]["e2e_latency"] for _ in range(3)
+        )
+        r2 = statistics.median(
+            eng.generate(input_ids=ids, sampling_params=dict(sp, max_new_tokens=1))["meta_info"]["e2e_latency"]
+            for _ in range(3)
+        )  # prefill + first token
         tps = (new - 1) / (lat - r2) if lat > r2 else float("nan")  # decode tokens/s, prefill excluded
-        line = (f"plain decode ({backend}): {new / lat:.1f} tok/s end to end; decode alone {tps:.1f} tok/s = "
-                f"{tps * wbytes / measured:.0%} of the measured-bandwidth roofline")
+        line = (
+            f"plain decode ({backend}): {new / lat:.1f} tok/s end to end; decode alone {tps:.1f} tok/s = "
+            f"{tps * wbytes / measured:.0%} of the measured-bandwidth roofline"
+        )
         if nominal:
             line += f", {tps * wbytes / nominal:.0%} of the nominal ({nominal / wbytes:.0f} tok/s)"
         print(line, flush=True)

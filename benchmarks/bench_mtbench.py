@@ -49,14 +49,21 @@ def histogram_svg(hist, title, path, width=480, height=260):
         for i, c in enumerate(hist)
     )
     with open(path, "w") as f:
-        f.write(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">'
-                f'<rect width="100%" height="100%" fill="white"/>{bars}<text x="{pad}" y="20">{title}</text>'
-                f'<text x="{width / 2}" y="{height - 5}" text-anchor="middle">tokens emitted per round</text></svg>')
+        f.write(
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">'
+            f'<rect width="100%" height="100%" fill="white"/>{bars}<text x="{pad}" y="20">{title}</text>'
+            f'<text x="{width / 2}" y="{height - 5}" text-anchor="middle">tokens emitted per round</text></svg>'
+        )
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--draft", action="append", default=[], help="ALGO=PATH or ALGO (repeatable), e.g. EAGLE3=path/to/head, EAGLE3 (the shipped draft), NGRAM")
+    ap.add_argument(
+        "--draft",
+        action="append",
+        default=[],
+        help="ALGO=PATH or ALGO (repeatable), e.g. EAGLE3=path/to/head, EAGLE3 (the shipped draft), NGRAM",
+    )
     ap.add_argument("--questions", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
@@ -70,31 +77,62 @@ def main():
 
     os.makedirs(args.out, exist_ok=True)
     loaded = load(args.model_path, "float32", progress=False)
-    plain = jaxspec.Engine(_loaded=loaded, max_running_requests=args.batch_size, show_progress=False, speculative_algorithm="NONE")
+    plain = jaxspec.Engine(
+        _loaded=loaded, max_running_requests=args.batch_size, show_progress=False, speculative_algorithm="NONE"
+    )
     qs = mtbench_first_turns(args.questions)
     ids = [plain._encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in qs]
     engines = [("NONE", plain)]
     for d in args.draft:
         algo, _, path = d.partition("=")  # "EAGLE3" alone: the draft shipped for the default model
-        engines.append((algo, jaxspec.Engine(_loaded=loaded, max_running_requests=args.batch_size, show_progress=False,
-                                             speculative_algorithm=algo, speculative_draft_model_path=path or None)))
+        engines.append(
+            (
+                algo,
+                jaxspec.Engine(
+                    _loaded=loaded,
+                    max_running_requests=args.batch_size,
+                    show_progress=False,
+                    speculative_algorithm=algo,
+                    speculative_draft_model_path=path or None,
+                ),
+            )
+        )
     print(f"machine: {machine()}")
-    print(f"SmolLM2-135M-Instruct float32, {len(ids)} MT-bench first turns, max {args.max_new_tokens} new tokens, batch {args.batch_size}")
+    print(
+        f"SmolLM2-135M-Instruct float32, {len(ids)} MT-bench first turns, max {args.max_new_tokens} new tokens, batch {args.batch_size}"
+    )
     print("| temperature | algorithm | accept length | tok/s | speedup |")
     print("|---|---|---|---|---|")
     rows = []
     for temp in args.temperatures:
-        sp = {"temperature": temp, "max_new_tokens": args.max_new_tokens, "seed": 0} if temp > 0 else {"temperature": 0, "max_new_tokens": args.max_new_tokens}
+        sp = (
+            {"temperature": temp, "max_new_tokens": args.max_new_tokens, "seed": 0}
+            if temp > 0
+            else {"temperature": 0, "max_new_tokens": args.max_new_tokens}
+        )
         base = None
         for algo, eng in engines:
             tokens, verify, dt, hist = run(eng, ids, sp, args.batch_size)
             tps = tokens / dt
             base = base or tps
             acc = tokens / max(verify, 1)
-            rows.append(dict(temperature=temp, algorithm=algo, accept_length=acc, tokens_per_s=tps, speedup=tps / base, histogram=hist))
+            rows.append(
+                dict(
+                    temperature=temp,
+                    algorithm=algo,
+                    accept_length=acc,
+                    tokens_per_s=tps,
+                    speedup=tps / base,
+                    histogram=hist,
+                )
+            )
             print(f"| {temp:g} | {algo} | {acc:.2f} | {tps:.1f} | {tps / base:.2f} |", flush=True)
             if hist:
-                histogram_svg(hist, f"{algo}, T={temp:g}: accept length {acc:.2f}", os.path.join(args.out, f"accept_hist_{algo}_T{temp:g}.svg"))
+                histogram_svg(
+                    hist,
+                    f"{algo}, T={temp:g}: accept length {acc:.2f}",
+                    os.path.join(args.out, f"accept_hist_{algo}_T{temp:g}.svg"),
+                )
     with open(os.path.join(args.out, "mtbench.json"), "w") as f:
         json.dump(rows, f, indent=2)
 

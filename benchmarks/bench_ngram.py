@@ -34,7 +34,10 @@ def humaneval_prompts(n: int) -> list[str]:
     path = os.path.join(list(spec.submodule_search_locations)[0], "data", "HumanEval.jsonl.gz")
     with gzip.open(path, "rt") as f:
         probs = [json.loads(line) for line in f][:n]
-    return [f"Complete this Python function. Reply with the whole function in a code block.\n\n```python\n{p['prompt']}```" for p in probs]
+    return [
+        f"Complete this Python function. Reply with the whole function in a code block.\n\n```python\n{p['prompt']}```"
+        for p in probs
+    ]
 
 
 def edit_prompts(n: int) -> list[str]:
@@ -44,7 +47,10 @@ def edit_prompts(n: int) -> list[str]:
     for conv in load_conversations("sharegpt", 400):
         text = next((m["content"] for m in conv if m["role"] == "assistant"), "")
         if 400 <= len(text) <= 1200:
-            out.append("Rewrite the following text, correcting any spelling mistakes and keeping everything else exactly the same:\n\n" + text)
+            out.append(
+                "Rewrite the following text, correcting any spelling mistakes and keeping everything else exactly the same:\n\n"
+                + text
+            )
         if len(out) == n:
             break
     return out
@@ -82,7 +88,9 @@ def main():
     plain = jaxspec.Engine(_loaded=loaded, max_running_requests=1, show_progress=False, speculative_algorithm="NONE")
     sp = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
     print(f"machine: {machine()}")
-    print(f"SmolLM2-135M-Instruct float32, {args.prompts} prompts per task, max {args.max_new_tokens} new tokens, greedy, batch 1")
+    print(
+        f"SmolLM2-135M-Instruct float32, {args.prompts} prompts per task, max {args.max_new_tokens} new tokens, greedy, batch 1"
+    )
     print("| task | algorithm | accept length | tok/s | speedup |")
     print("|---|---|---|---|---|")
     for task in args.tasks:
@@ -92,10 +100,18 @@ def main():
         base = tokens / dt
         print(f"| {task} | NONE | 1.00 | {base:.1f} | 1.00 |", flush=True)
         for mt in args.match_types:
-            eng = jaxspec.Engine(_loaded=loaded, max_running_requests=1, show_progress=False, speculative_algorithm="NGRAM",
-                                 speculative_ngram_match_type=mt)
+            eng = jaxspec.Engine(
+                _loaded=loaded,
+                max_running_requests=1,
+                show_progress=False,
+                speculative_algorithm="NGRAM",
+                speculative_ngram_match_type=mt,
+            )
             tokens, verify, dt = run(eng, ids, sp)
-            print(f"| {task} | NGRAM {mt} (N = {eng.spec.num_draft_tokens}) | {tokens / max(verify, 1):.2f} | {tokens / dt:.1f} | {tokens / dt / base:.2f} |", flush=True)
+            print(
+                f"| {task} | NGRAM {mt} (N = {eng.spec.num_draft_tokens}) | {tokens / max(verify, 1):.2f} | {tokens / dt:.1f} | {tokens / dt / base:.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

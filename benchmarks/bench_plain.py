@@ -59,7 +59,7 @@ def main():
                 t = time.perf_counter()
                 out = hf.generate(torch.tensor([x]), **gen)
                 hf_tps.append(args.new / (time.perf_counter() - t))
-                same += out[0, len(x):].tolist() == o
+                same += out[0, len(x) :].tolist() == o
 
     weight_bytes = sum(np.asarray(v).nbytes for v in __import__("jax").tree_util.tree_leaves(eng.params))
     bw = copy_bandwidth()
@@ -69,16 +69,22 @@ def main():
     syn = synthetic_layers_ms(c.hidden_size, c.intermediate_size, c.num_kv_heads * c.head_dim, c.num_layers)
     med = statistics.median
     print(f"machine: {machine()}")
-    print(f"model: SmolLM2-135M-Instruct ({args.dtype}), batch 1, {len(ids)} MT-bench first turns, {args.new} new tokens, greedy")
+    print(
+        f"model: SmolLM2-135M-Instruct ({args.dtype}), batch 1, {len(ids)} MT-bench first turns, {args.new} new tokens, greedy"
+    )
     print(f"jaxspec warm-up pass (compiles every shape bucket, then runs): {compile_s:.1f} s")
-    print(f"weight bytes/token: {weight_bytes / 1e6:.0f} MB; copy bandwidth: {bw / 1e9:.1f} GB/s; roofline: {roof:.1f} tok/s")
+    print(
+        f"weight bytes/token: {weight_bytes / 1e6:.0f} MB; copy bandwidth: {bw / 1e9:.1f} GB/s; roofline: {roof:.1f} tok/s"
+    )
     print(f"jitted XLA read bandwidth: {read_bw / 1e9:.1f} GB/s; read roofline: {read_bw / weight_bytes:.1f} tok/s")
     print(f"synthetic {c.num_layers}-layer matvec loop (no attention/norms/LM head): {syn:.1f} ms/token")
     print("| engine | median tok/s | min | max | % of roofline |")
     print("|---|---|---|---|---|")
     print(f"| jaxspec | {med(ours):.1f} | {min(ours):.1f} | {max(ours):.1f} | {100 * med(ours) / roof:.0f}% |")
     if hf_tps:
-        print(f"| HF transformers {__import__('transformers').__version__} | {med(hf_tps):.1f} | {min(hf_tps):.1f} | {max(hf_tps):.1f} | {100 * med(hf_tps) / roof:.0f}% |")
+        print(
+            f"| HF transformers {__import__('transformers').__version__} | {med(hf_tps):.1f} | {min(hf_tps):.1f} | {max(hf_tps):.1f} | {100 * med(hf_tps) / roof:.0f}% |"
+        )
         print(f"speedup jaxspec / HF (median): {med(ours) / med(hf_tps):.2f}x; identical outputs: {same}/{len(ids)}")
 
 

@@ -43,9 +43,25 @@ def free_port() -> int:
 
 
 def start_server(extra, port, args):
-    cmd = [sys.executable, "-m", "jaxspec.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--context-length",
-           str(args.context_length), "--max-running-requests", str(max(args.concurrency)), "--cuda-graph-max-bs",
-           str(max(args.concurrency)), *(["--model-path", args.model_path] if args.model_path else []), *extra, *args.server_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxspec.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--context-length",
+        str(args.context_length),
+        "--max-running-requests",
+        str(max(args.concurrency)),
+        "--cuda-graph-max-bs",
+        str(max(args.concurrency)),
+        *(["--model-path", args.model_path] if args.model_path else []),
+        *extra,
+        *args.server_args,
+    ]
     log = open(os.path.join(args.out, f"server-{port}.log"), "w")
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     t = time.time()
@@ -66,8 +82,14 @@ def start_server(extra, port, args):
 
 
 def one_request(port, question, args):
-    body = {"model": "default", "messages": [{"role": "user", "content": question}], "max_tokens": args.max_tokens,
-            "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     c.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
@@ -125,9 +147,21 @@ def run_level(port, questions, conc, args):
     verify = sum(r[3] for r in rows)
     gaps = np.array([g for r in rows for g in r[4]])
     pct = lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan")
-    return dict(concurrency=conc, requests=len(rows), wall_s=wall, tokens=tokens, tok_per_s=tokens / wall,
-                accept=tokens / verify if verify else float("nan"), lat_p50=pct(lat, 50), lat_p90=pct(lat, 90), lat_p99=pct(lat, 99),
-                ttft_p50=pct(ttft, 50), ttft_p99=pct(ttft, 99), gap_p50=pct(gaps, 50), gap_p99=pct(gaps, 99))
+    return dict(
+        concurrency=conc,
+        requests=len(rows),
+        wall_s=wall,
+        tokens=tokens,
+        tok_per_s=tokens / wall,
+        accept=tokens / verify if verify else float("nan"),
+        lat_p50=pct(lat, 50),
+        lat_p90=pct(lat, 90),
+        lat_p99=pct(lat, 99),
+        ttft_p50=pct(ttft, 50),
+        ttft_p99=pct(ttft, 99),
+        gap_p50=pct(gaps, 50),
+        gap_p99=pct(gaps, 99),
+    )
 
 
 def main():
@@ -135,7 +169,9 @@ def main():
     ap.add_argument("--modes", nargs="+", default=["plain", "eagle3", "eagle3-no-overlap"], choices=sorted(MODES))
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level (at most)")
-    ap.add_argument("--time-limit", type=float, default=300, help="seconds per level before workers stop taking requests")
+    ap.add_argument(
+        "--time-limit", type=float, default=300, help="seconds per level before workers stop taking requests"
+    )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--context-length", type=int, default=2048)
@@ -147,8 +183,12 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     questions = mtbench_first_turns(max(args.requests, 2) + 1)[1:]
-    print(f"# {machine()}\n# max_tokens {args.max_tokens}, temperature {args.temperature}, {args.requests} requests per level")
-    print("| mode | concurrency | requests | out tok/s | accept | latency p50 / p90 / p99 (s) | TTFT p50 / p99 (s) | stream gap p50 / p99 (ms) |")
+    print(
+        f"# {machine()}\n# max_tokens {args.max_tokens}, temperature {args.temperature}, {args.requests} requests per level"
+    )
+    print(
+        "| mode | concurrency | requests | out tok/s | accept | latency p50 / p90 / p99 (s) | TTFT p50 / p99 (s) | stream gap p50 / p99 (ms) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     results = []
     for mode in args.modes:
@@ -160,9 +200,12 @@ def main():
                     run_level(port, questions, conc, args)
                 r = dict(mode=mode, startup_s=startup, **run_level(port, questions, conc, args))
                 results.append(r)
-                print(f"| {mode} | {conc} | {r['requests']} | {r['tok_per_s']:.1f} | {r['accept']:.2f} | "
-                      f"{r['lat_p50']:.2f} / {r['lat_p90']:.2f} / {r['lat_p99']:.2f} | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | "
-                      f"{1e3 * r['gap_p50']:.0f} / {1e3 * r['gap_p99']:.0f} |", flush=True)
+                print(
+                    f"| {mode} | {conc} | {r['requests']} | {r['tok_per_s']:.1f} | {r['accept']:.2f} | "
+                    f"{r['lat_p50']:.2f} / {r['lat_p90']:.2f} / {r['lat_p99']:.2f} | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | "
+                    f"{1e3 * r['gap_p50']:.0f} / {1e3 * r['gap_p99']:.0f} |",
+                    flush=True,
+                )
         finally:
             p.terminate()
             p.wait(120)
@@ -171,7 +214,9 @@ def main():
     base = {r["concurrency"]: r["tok_per_s"] for r in results if r["mode"] == "plain"}
     for r in results:
         if r["mode"] != "plain" and r["concurrency"] in base:
-            print(f"# {r['mode']} / plain at concurrency {r['concurrency']}: {r['tok_per_s'] / base[r['concurrency']]:.2f}x")
+            print(
+                f"# {r['mode']} / plain at concurrency {r['concurrency']}: {r['tok_per_s'] / base[r['concurrency']]:.2f}x"
+            )
 
 
 if __name__ == "__main__":

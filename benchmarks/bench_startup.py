@@ -34,8 +34,13 @@ def cpu() -> str:
 
 def timed_generate(env) -> float:
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "jaxspec.cli", "generate", "--chat", "Say hi.", "--max-new-tokens", "16"], env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "jaxspec.cli", "generate", "--chat", "Say hi.", "--max-new-tokens", "16"],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return time.perf_counter() - t
 
 
@@ -57,12 +62,16 @@ def metrics(port) -> dict:
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     c.request("GET", "/metrics")
     text = c.getresponse().read().decode()
-    return {ln.split("{")[0].split(":")[1]: float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("jaxspec:")}
+    return {
+        ln.split("{")[0].split(":")[1]: float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("jaxspec:")
+    }
 
 
 def serve(env, ctx: int | None, lengths: list[int]) -> dict:
     port = free_port()
-    argv = [sys.executable, "-m", "jaxspec.cli", "serve", "--port", str(port)] + (["--context-length", str(ctx)] if ctx else [])
+    argv = [sys.executable, "-m", "jaxspec.cli", "serve", "--port", str(port)] + (
+        ["--context-length", str(ctx)] if ctx else []
+    )
     t = time.perf_counter()
     p = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -107,14 +116,22 @@ def main() -> None:
     print(f"CPU: {cpu()} ({os.cpu_count()} cores); compilation cache {cache}", flush=True)
     if not args.skip_generate:
         g1, g2 = timed_generate(env), timed_generate(env)
-        print(f"| `jaxspec generate --chat 'Say hi.' --max-new-tokens 16` wall | cold {g1:.1f} s | warm {g2:.1f} s |", flush=True)
+        print(
+            f"| `jaxspec generate --chat 'Say hi.' --max-new-tokens 16` wall | cold {g1:.1f} s | warm {g2:.1f} s |",
+            flush=True,
+        )
     for label in ("cold", "warm"):
         r = serve(env, args.context_length, args.lengths)
-        print(f"| `jaxspec serve` ({label} cache) until /health | {r['startup_s']:.1f} s | compiles on demand after: {r['on_demand']:.0f}; "
-              f"background shapes left: {r['background_left']:.0f}; background compile done {r['background_done_s']:.0f} s after launch |",
-              flush=True)
+        print(
+            f"| `jaxspec serve` ({label} cache) until /health | {r['startup_s']:.1f} s | compiles on demand after: {r['on_demand']:.0f}; "
+            f"background shapes left: {r['background_left']:.0f}; background compile done {r['background_done_s']:.0f} s after launch |",
+            flush=True,
+        )
         for n, a, b in r["ttft"]:
-            print(f"|   prompt {n} tokens ({label}) | TTFT first {a:.3f} s | second {b:.3f} s | ratio {a / b:.2f} |", flush=True)
+            print(
+                f"|   prompt {n} tokens ({label}) | TTFT first {a:.3f} s | second {b:.3f} s | ratio {a / b:.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

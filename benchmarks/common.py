@@ -62,7 +62,15 @@ def synthetic_layers_ms(hidden: int, inter: int, kv: int, layers: int, reps: int
     import jax.numpy as jnp
 
     key = jax.random.key(0)
-    shapes = [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden), (hidden, inter), (hidden, inter), (inter, hidden)]
+    shapes = [
+        (hidden, hidden),
+        (hidden, kv),
+        (hidden, kv),
+        (hidden, hidden),
+        (hidden, inter),
+        (hidden, inter),
+        (inter, hidden),
+    ]
     ws = [[jax.random.normal(key, s, jnp.float32) * 0.02 for s in shapes] for _ in range(layers)]
 
     def f(ws, x):

@@ -18,7 +18,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from convert.sources import Source, open_source
+from jaxspec.config import ModelConfig
 from jaxspec.errors import JaxspecError
+from jaxspec.models.eagle import eagle_config
 
 FORMAT_VERSION = 1
 DTYPES = ("float32", "bfloat16", "float16")
@@ -37,11 +39,7 @@ def np_dtype(name: str):
 def save_checkpoint(src: Source, out: str, dtype: str = "float32", progress: bool = True) -> str:
     from safetensors.numpy import save_file
 
-    from jaxspec.config import ModelConfig
-
     if src.kind == "eagle":
-        from jaxspec.models.eagle import eagle_config
-
         eagle_config(src.config)  # fail before writing anything if unsupported
     else:
         ModelConfig.from_hf(src.config)
@@ -49,7 +47,9 @@ def save_checkpoint(src: Source, out: str, dtype: str = "float32", progress: boo
     tokenizer = src.load_tokenizer()
     os.makedirs(out, exist_ok=True)
     tensors = {}
-    for name in tqdm(src.names, desc=f"converting {os.path.basename(src.path.rstrip('/'))}", unit="tensor", disable=not progress):
+    for name in tqdm(
+        src.names, desc=f"converting {os.path.basename(src.path.rstrip('/'))}", unit="tensor", disable=not progress
+    ):
         t = src.get(name)  # index tables (EAGLE-3 d2t / t2d) keep their integer / bool dtype
         tensors[name] = np.ascontiguousarray(t.astype(want) if np.issubdtype(t.dtype, np.floating) else t)
     tmp = os.path.join(out, "model.safetensors.tmp")
@@ -62,7 +62,16 @@ def save_checkpoint(src: Source, out: str, dtype: str = "float32", progress: boo
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     with open(os.path.join(out, "jaxspec.json"), "w") as f:
-        json.dump({"format_version": FORMAT_VERSION, "source": os.path.abspath(src.path), "source_kind": src.kind, "dtype": dtype}, f, indent=2)
+        json.dump(
+            {
+                "format_version": FORMAT_VERSION,
+                "source": os.path.abspath(src.path),
+                "source_kind": src.kind,
+                "dtype": dtype,
+            },
+            f,
+            indent=2,
+        )
     return out
 
 

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from convert.sources import Source
+from convert.source import Source
 from jaxspec.errors import JaxspecError
 
 ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM")}
@@ -123,7 +123,9 @@ def open_gguf(path: str) -> Source:
         from transformers import AutoTokenizer
 
         try:
-            return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+            return AutoTokenizer.from_pretrained(
+                os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
+            )
         except Exception as e:
             raise JaxspecError(f"cannot build a tokenizer from {path}: {type(e).__name__}: {e}") from None
 

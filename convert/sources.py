@@ -1,9 +1,9 @@
 """Checkpoint sources, all seen through one interface: HF-named numpy tensors.
 
-  HF directory:  config.json + model.safetensors | model-*.safetensors (+ index) | pytorch_model*.bin
-  EAGLE head:    the same files with a LlamaForCausalLMEagle(3) config (kind "eagle", no tokenizer)
-  GGUF file:     llama / qwen2 architectures, any quantisation the `gguf` package dequantises
-  (a directory holding exactly one .gguf and no config.json counts as that GGUF file)
+HF directory:  config.json + model.safetensors | model-*.safetensors (+ index) | pytorch_model*.bin
+EAGLE head:    the same files with a LlamaForCausalLMEagle(3) config (kind "eagle", no tokenizer)
+GGUF file:     llama / qwen2 architectures, any quantisation the `gguf` package dequantises
+(a directory holding exactly one .gguf and no config.json counts as that GGUF file)
 """
 
 from __future__ import annotations
@@ -11,25 +11,13 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
-from collections.abc import Callable
 
 import numpy as np
 
+from convert.gguf_llama import open_gguf
+from convert.source import Source, hf_tokenizer
+from jaxspec.config import EAGLE_ARCHS, ModelConfig, read_json
 from jaxspec.errors import JaxspecError
-
-
-@dataclasses.dataclass
-class Source:
-    path: str
-    kind: str  # "hf" | "gguf" | "eagle"
-    config: dict  # HF config.json content
-    names: list[str]  # HF tensor names
-    get: Callable[[str], np.ndarray]  # name -> numpy array (float)
-    load_tokenizer: Callable[[], object]  # -> transformers tokenizer
-
-    def tensors(self):
-        for n in self.names:
-            yield n, self.get(n)
 
 
 def open_source(path: str) -> Source:
@@ -38,39 +26,23 @@ def open_source(path: str) -> Source:
         raise JaxspecError(f"model path does not exist: {path}")
     if os.path.isfile(path):
         if path.endswith(".gguf"):
-            from convert.gguf_llama import open_gguf
-
             return open_gguf(path)
         raise JaxspecError(f"{path} is a file but not a .gguf; pass an HF/jaxspec directory or a GGUF file")
     if os.path.exists(os.path.join(path, "config.json")):
-        from jaxspec.config import read_json
-        from jaxspec.models.eagle import EAGLE_ARCHS
-
         if (read_json(os.path.join(path, "config.json")).get("architectures") or [None])[0] in EAGLE_ARCHS:
             return dataclasses.replace(open_hf_dir(path, check_config=False), kind="eagle", load_tokenizer=lambda: None)
         return open_hf_dir(path)
     ggufs = glob.glob(os.path.join(path, "*.gguf"))
     if len(ggufs) == 1:
-        from convert.gguf_llama import open_gguf
-
         return open_gguf(ggufs[0])
     if len(ggufs) > 1:
-        raise JaxspecError(f"{path} holds several .gguf files; pass one of them: {', '.join(sorted(map(os.path.basename, ggufs)))}")
+        raise JaxspecError(
+            f"{path} holds several .gguf files; pass one of them: {', '.join(sorted(map(os.path.basename, ggufs)))}"
+        )
     raise JaxspecError(f"{path} has no config.json and no .gguf file; not a model directory")
 
 
-def _hf_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # transformers raises many types for a missing/broken tokenizer
-        raise JaxspecError(f"cannot load a tokenizer from {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-
-
 def open_hf_dir(path: str, check_config: bool = True) -> Source:
-    from jaxspec.config import ModelConfig, read_json
-
     config = read_json(os.path.join(path, "config.json"))
     if check_config:  # report an unsupported architecture before touching the weights
         ModelConfig.from_hf(config)
@@ -82,7 +54,7 @@ def open_hf_dir(path: str, check_config: bool = True) -> Source:
         names, get = _torch_bin_reader(bin_files)
     else:
         raise JaxspecError(f"{path} has no *.safetensors or pytorch_model*.bin weights")
-    return Source(path, "hf", config, names, get, lambda: _hf_tokenizer(path))
+    return Source(path, "hf", config, names, get, lambda: hf_tokenizer(path))
 
 
 def _safetensors_reader(files: list[str]):

@@ -1,8 +1,27 @@
 """jaxspec: speculative decoding for LLMs in JAX/XLA."""
 
-from jaxspec.engine import Engine, generate
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from jaxspec.engine import Engine, generate
+
 __version__ = "0.1.0"
 __all__ = ["Engine", "JaxspecError", "SamplingParams", "__version__", "generate"]
+
+
+def __getattr__(name: str) -> Any:
+    # `jaxspec.Engine` / `jaxspec.generate` load the engine on first use. Importing it here would
+    # make a cycle: every `jaxspec.*` import runs this file first (also convert's own imports of
+    # jaxspec.errors / jaxspec.config), and the engine imports convert to read checkpoints.
+    if name in ("Engine", "generate"):
+        from jaxspec import engine
+
+        value = getattr(engine, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

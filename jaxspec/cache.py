@@ -36,7 +36,9 @@ class KVCache:
     rows: jax.Array | None = None  # [n] int32 slots of a view; None = all slots
     span: int | None = dataclasses.field(default=None, metadata=dict(static=True))  # columns attention reads
     prefix: bool = dataclasses.field(default=False, metadata=dict(static=True))  # rows == arange(n): read by slicing
-    sharding: object = dataclasses.field(default=None, metadata=dict(static=True))  # NamedSharding of k, v (tensor parallel) or None
+    sharding: object = dataclasses.field(
+        default=None, metadata=dict(static=True)
+    )  # NamedSharding of k, v (tensor parallel) or None
 
     @classmethod
     def create(cls, cfg: ModelConfig, batch: int, max_len: int, dtype, sharding=None) -> KVCache:
@@ -95,7 +97,9 @@ class KVCache:
 
     def unview(self, view: KVCache) -> KVCache:
         """This cache with the buffers written through `view` and its slots' lengths."""
-        return dataclasses.replace(view, lengths=self.lengths.at[view.rows].set(view.lengths), rows=None, span=None, prefix=False)
+        return dataclasses.replace(
+            view, lengths=self.lengths.at[view.rows].set(view.lengths), rows=None, span=None, prefix=False
+        )
 
     def reset_slots(self, mask: jax.Array) -> KVCache:
         """Sets lengths of slots where mask [B] is true to 0 (their KV becomes invisible)."""

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 
+from convert.checkpoint import convert
 from jaxspec.args import (
     EngineArgs,
     ModelArgs,
@@ -21,33 +22,35 @@ from jaxspec.args import (
     from_namespace,
     sampling_from_namespace,
 )
+from jaxspec.bench import run_sweep
+from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
+from jaxspec.sampling import SamplingParams
+from jaxspec.sharding import init_distributed
+from jaxspec.train.cli import add_parser as add_train_parser
+from server.launch import cmd_serve
 
 
 def _add_engine_args(p: argparse.ArgumentParser, multi_host: bool = True) -> None:
     add_arguments(p, ModelArgs)
-    if multi_host:  # not serve: it runs on one host for now (other hosts would have to replay the scheduler's device calls)
+    if (
+        multi_host
+    ):  # not serve: it runs on one host for now (other hosts would have to replay the scheduler's device calls)
         add_arguments(p, MultiHostArgs)
     add_arguments(p, SpeculativeArgs)
 
 
 def _engine(args):
-    from jaxspec.engine import Engine
-
     return Engine(from_namespace(EngineArgs, args))
 
 
 def _sampling(args) -> dict:
-    from jaxspec.sampling import SamplingParams
-
     d = sampling_from_namespace(args)
     SamplingParams.from_dict(d)  # validate before loading the model
     return d
 
 
 def cmd_convert(args) -> int:
-    from convert.checkpoint import convert
-
     out = convert(args.src, args.out, args.dtype, progress=not args.quiet)
     print(f"wrote jaxspec checkpoint to {out}")
     return 0
@@ -69,14 +72,20 @@ def cmd_generate(args) -> int:
     else:
         print(out["text"])
         m = out["meta_info"]
-        print(f"[{m['completion_tokens']} tokens, {m['e2e_latency']:.2f}s, finish={m['finish_reason']['type']}, "
-              f"accept length {m['spec_accept_length']:.2f}]", file=sys.stderr)
+        print(
+            f"[{m['completion_tokens']} tokens, {m['e2e_latency']:.2f}s, finish={m['finish_reason']['type']}, "
+            f"accept length {m['spec_accept_length']:.2f}]",
+            file=sys.stderr,
+        )
     return 0
 
 
 def _interactive(args, sp) -> int:
     eng = _engine(args)
-    print("jaxspec chat demo (Ctrl-D to quit). For the OpenAI-compatible server: `jaxspec serve` / `make serve`.", flush=True)
+    print(
+        "jaxspec chat demo (Ctrl-D to quit). For the OpenAI-compatible server: `jaxspec serve` / `make serve`.",
+        flush=True,
+    )
     history: list[dict] = []
     while True:
         try:
@@ -94,8 +103,6 @@ def _interactive(args, sp) -> int:
 
 
 def cmd_bench(args) -> int:
-    from jaxspec.bench import run_sweep
-
     run_sweep(args)
     return 0
 
@@ -107,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="convert an HF directory or GGUF file into a jaxspec checkpoint")
     c.add_argument("src", help="HF model directory or .gguf file")
     c.add_argument("out", help="output directory")
-    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="stored parameter dtype")
+    c.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="stored parameter dtype"
+    )
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_convert)
 
@@ -121,11 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 
-    from jaxspec.train.cli import add_parser as add_train_parser
-
     add_train_parser(sub)
-
-    from server.launch import cmd_serve
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     _add_engine_args(sv, multi_host=False)
@@ -133,11 +138,21 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(func=cmd_serve)
     b = sub.add_parser("bench", help="bench_speculative-style sweep: batch size x steps x topk x draft tokens")
     b.add_argument("--batch-size", type=int, nargs="+", default=[1], help="batch sizes to sweep")
-    b.add_argument("--steps", type=int, nargs="+", default=None, help="speculative_num_steps values (default: the auto choice)")
+    b.add_argument(
+        "--steps", type=int, nargs="+", default=None, help="speculative_num_steps values (default: the auto choice)"
+    )
     b.add_argument("--topk", type=int, nargs="+", default=None, help="speculative_eagle_topk values")
     b.add_argument("--num-draft-tokens", type=int, nargs="+", default=None, help="speculative_num_draft_tokens values")
-    b.add_argument("--shape", nargs="+", default=None, metavar="STEPS,TOPK,N", help="explicit tree shapes to run instead of a product sweep")
-    b.add_argument("--prompts", type=int, default=8, help="MT-bench first-turn questions to run (chat template applied)")
+    b.add_argument(
+        "--shape",
+        nargs="+",
+        default=None,
+        metavar="STEPS,TOPK,N",
+        help="explicit tree shapes to run instead of a product sweep",
+    )
+    b.add_argument(
+        "--prompts", type=int, default=8, help="MT-bench first-turn questions to run (chat template applied)"
+    )
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--baseline", action="store_true", help="also run plain decoding and report the speedup")
@@ -151,9 +166,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = build_parser().parse_args(argv)
     try:
-        if hasattr(args, "nnodes"):  # before any other JAX call
-            from jaxspec.sharding import init_distributed
-
+        if hasattr(args, "nnodes"):  # before any other JAX call (importing jax modules is not one)
             init_distributed(args.dist_init_addr, args.nnodes, args.node_rank)
         return args.func(args)
     except JaxspecError as e:

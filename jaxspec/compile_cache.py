@@ -46,7 +46,9 @@ def enable() -> str | None:
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as e:
-            logger.warning("compilation cache disabled: cannot create %s (%s); set %s=off or another directory", path, e, ENV)
+            logger.warning(
+                "compilation cache disabled: cannot create %s (%s); set %s=off or another directory", path, e, ENV
+            )
             return None
         jax.config.update("jax_compilation_cache_dir", path)
         # cache every program: small ones add up (a one-line `jaxspec generate` compiles dozens)

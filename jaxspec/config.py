@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from typing import Any
@@ -27,6 +28,8 @@ SUPPORTED = {
 }
 QWEN2_LIKE = ("qwen2", "mimo")  # q/k/v always carry a bias, o_proj never
 SUPPORTED_ROPE = ("default", "linear", "llama3")
+# EAGLE draft heads' architectures class name -> speculative algorithm (models/eagle.py builds them)
+EAGLE_ARCHS = {"LlamaForCausalLMEagle": "EAGLE", "LlamaForCausalLMEagle3": "EAGLE3"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,9 +180,14 @@ class NgramConfig:
     def from_args(cls, a: SpeculativeArgs) -> NgramConfig:
         a._validate_ngram()
         return cls(
-            a.speculative_ngram_min_match_window_size, a.speculative_ngram_max_match_window_size, a.speculative_ngram_min_bfs_breadth,
-            a.speculative_ngram_max_bfs_breadth, str(a.speculative_ngram_match_type).upper(), a.speculative_ngram_branch_length,
-            a.speculative_ngram_capacity, a.ngram_force_greedy_verify,
+            a.speculative_ngram_min_match_window_size,
+            a.speculative_ngram_max_match_window_size,
+            a.speculative_ngram_min_bfs_breadth,
+            a.speculative_ngram_max_bfs_breadth,
+            str(a.speculative_ngram_match_type).upper(),
+            a.speculative_ngram_branch_length,
+            a.speculative_ngram_capacity,
+            a.ngram_force_greedy_verify,
         )
 
 
@@ -227,8 +235,6 @@ class SpecConfig:
         target supplies (a draft shipped for it in jaxspec.drafts, or its own MTP module). It is used
         when the algorithm is unset (None), or is that algorithm without a draft path; "NONE" turns it
         off. Its tree shape, if any, replaces the auto defaults."""
-        import logging
-
         log = logging.getLogger("jaxspec")
         a = args or SpeculativeArgs()
         a.validate()
@@ -244,7 +250,9 @@ class SpecConfig:
             # plays num_steps' part (verification walk, histogram); topk has no meaning here.
             n = NGRAM_DEFAULT_DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens
             if warn and (num_steps is not None or eagle_topk is not None):
-                log.warning("speculative_num_steps / speculative_eagle_topk are ignored for NGRAM (the tree has speculative_num_draft_tokens nodes)")
+                log.warning(
+                    "speculative_num_steps / speculative_eagle_topk are ignored for NGRAM (the tree has speculative_num_draft_tokens nodes)"
+                )
             return cls("NGRAM", None, n - 1, 1, n, single, acc, ngram=NgramConfig.from_args(a))
         draft_model_path, shipped_tree = a.speculative_draft_model_path, None
         if draft_model_path is None and bundled and bundled[0] == algo:
@@ -263,4 +271,6 @@ class SpecConfig:
                 msg = "speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 = %d when speculative_eagle_topk == 1"
                 log.warning(msg, num_steps + 1)
             num_draft_tokens = num_steps + 1
-        return cls(algo, draft_model_path, num_steps, eagle_topk, num_draft_tokens, single, acc, a.speculative_token_map)
+        return cls(
+            algo, draft_model_path, num_steps, eagle_topk, num_draft_tokens, single, acc, a.speculative_token_map
+        )

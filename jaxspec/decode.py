@@ -107,8 +107,14 @@ def record(state: DecodeState, logits, st: SamplingTensors, max_new_tokens, stop
     hit_len = active & ~hit_stop & (num_out >= max_new_tokens)
     finish = jnp.where(hit_stop, STOPPED, jnp.where(hit_len, LENGTH, state.finish))
     return dataclasses.replace(
-        state, out=out, num_out=num_out, done=state.done | hit_stop | hit_len, finish=finish,
-        last=jnp.where(active, tok, state.last), counts=counts, seen=seen,
+        state,
+        out=out,
+        num_out=num_out,
+        done=state.done | hit_stop | hit_len,
+        finish=finish,
+        last=jnp.where(active, tok, state.last),
+        counts=counts,
+        seen=seen,
     )
 
 
@@ -122,7 +128,19 @@ def decode_step(model, state: DecodeState, st, max_new_tokens, stop_ids, backend
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "buf", "backend"), donate_argnames=("cache",))
-def decode(graphdef, params, cache: KVCache, last_h, prompt, prompt_lens, st: SamplingTensors, max_new_tokens, stop_ids, buf: int, backend="xla"):
+def decode(
+    graphdef,
+    params,
+    cache: KVCache,
+    last_h,
+    prompt,
+    prompt_lens,
+    st: SamplingTensors,
+    max_new_tokens,
+    stop_ids,
+    buf: int,
+    backend="xla",
+):
     """Samples the first token from the prefill's last hidden state, then decodes in a while_loop.
 
     cache: after prefill (lengths = prompt_lens); last_h: [B, H]; prompt: [B, P] int32;

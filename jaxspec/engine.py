@@ -16,23 +16,27 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from convert.sources import open_hf_dir
 from jaxspec import compile_cache
 from jaxspec.args import EngineArgs
 from jaxspec.attention import resolve_backend
 from jaxspec.cache import KVCache
 from jaxspec.config import SpecConfig
 from jaxspec.decode import decode, prefill_chunk
+from jaxspec.drafts import bundled_draft_for
 from jaxspec.errors import JaxspecError
 from jaxspec.loader import LoadedModel, jnp_dtype, load
+from jaxspec.models.mtp import mtp_layout
 from jaxspec.requests import (
     bucket,
     check_prompt,
@@ -44,10 +48,9 @@ from jaxspec.requests import (
 )
 from jaxspec.sampling import SamplingParams, SamplingTensors
 from jaxspec.sharding import check_heads, kv_sharding, make_mesh, replicate, shard_params
-from jaxspec.speculative.proposers.base import Proposer
-
-if TYPE_CHECKING:
-    from jaxspec.speculative.proposers.ngram import Corpus
+from jaxspec.speculative.loop import spec_decode, spec_prefill_chunk
+from jaxspec.speculative.proposers import Proposer, load_proposer
+from jaxspec.speculative.proposers.ngram import Corpus
 
 logger = logging.getLogger("jaxspec")
 
@@ -57,6 +60,7 @@ Conversation = list[dict[str, str]]  # [{"role": "user", "content": "hi"}, ...]
 Result = dict[str, Any]  # {"text", "output_ids", "meta_info"}
 
 DEFAULT_BATCH = 8  # max_running_requests when unset (the server instead sizes it to memory)
+
 
 class Engine:
     """The offline engine. Takes the flags of `jaxspec generate` as keyword arguments (their names
@@ -75,7 +79,9 @@ class Engine:
     ):
         if isinstance(model_path, EngineArgs):
             if kwargs:
-                raise JaxspecError(f"pass either an EngineArgs or keyword arguments, not both (got {', '.join(sorted(kwargs))})")
+                raise JaxspecError(
+                    f"pass either an EngineArgs or keyword arguments, not both (got {', '.join(sorted(kwargs))})"
+                )
             args = model_path
         else:
             args = EngineArgs.from_kwargs({**kwargs, **({} if model_path is None else {"model_path": model_path})})
@@ -91,8 +97,14 @@ class Engine:
         self.tp_size = args.tp_size
         self.mesh = make_mesh(args.tp_size)  # None for tp_size 1
         if _loaded is None:
-            _loaded = load(args.model_path, args.dtype, args.tokenizer_path, progress=show_progress,
-                           with_tokenizer=not skip_tokenizer_init, mesh=self.mesh)
+            _loaded = load(
+                args.model_path,
+                args.dtype,
+                args.tokenizer_path,
+                progress=show_progress,
+                with_tokenizer=not skip_tokenizer_init,
+                mesh=self.mesh,
+            )
         self.loaded = _loaded
         self.cfg = _loaded.cfg
         self.tokenizer: Any = _loaded.tokenizer  # a transformers tokenizer, or None
@@ -110,12 +122,12 @@ class Engine:
         self.backend = attention_backend
         self.spec = SpecConfig.resolve(args, self.cfg, bundled=_draft_from_target(_loaded, args.algorithm))
         self.speculative_algorithm = self.spec.algorithm
-        self._spec_auto = args.speculative_algorithm is None and self.spec.enabled  # a shipped draft, not the user's choice
+        self._spec_auto = (
+            args.speculative_algorithm is None and self.spec.enabled
+        )  # a shipped draft, not the user's choice
         self.proposer: Proposer | None = None
         self.dparams: dict[str, Any] | None = None
         if self.spec.enabled:
-            from jaxspec.speculative.proposers import load_proposer
-
             self.proposer, self.dparams = load_proposer(self.spec, _loaded, args.dtype, show_progress)
             self.proposer = dataclasses.replace(self.proposer, attention_backend=attention_backend)
             self.dparams = replicate(self.dparams, self.mesh)
@@ -142,7 +154,9 @@ class Engine:
         (one per prompt; see the module docstring); sampling_params: one for all prompts, or one each."""
         if (prompt is None) == (input_ids is None):
             raise JaxspecError("pass exactly one of prompt or input_ids")
-        single = isinstance(prompt, str) or (input_ids is not None and (len(input_ids) == 0 or isinstance(input_ids[0], (int, np.integer))))
+        single = isinstance(prompt, str) or (
+            input_ids is not None and (len(input_ids) == 0 or isinstance(input_ids[0], (int, np.integer)))
+        )
         if prompt is not None:
             prompts: list = [prompt] if single else list(prompt)
             if not all(isinstance(p, str) for p in prompts):
@@ -154,7 +168,9 @@ class Engine:
         results = self._generate_ids(ids, sampling_params)
         return results[0] if single else results
 
-    def chat(self, messages: Conversation | list[Conversation], sampling_params: SamplingArg | list[SamplingArg] = None) -> Result | list[Result]:
+    def chat(
+        self, messages: Conversation | list[Conversation], sampling_params: SamplingArg | list[SamplingArg] = None
+    ) -> Result | list[Result]:
         """messages: one conversation (list of {"role", "content"}) or a list of conversations."""
         single = bool(messages) and isinstance(messages[0], dict)
         convs: list = [messages] if single else list(messages)
@@ -166,7 +182,9 @@ class Engine:
         tok = self._need_tokenizer()
         if not getattr(tok, "chat_template", None):
             raise JaxspecError("this model's tokenizer has no chat template; use generate() with a raw prompt")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages
+        ):
             raise JaxspecError('messages must be a list of {"role": ..., "content": ...} dicts')
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
@@ -174,8 +192,6 @@ class Engine:
         """NGRAM: empties the n-gram text shared by all requests (speculative/proposers/ngram.py). Its device
         copy is padded to a power of two of at least `reserve` tokens; each larger size recompiles
         the round, so a reserve that holds the whole workload compiles once."""
-        from jaxspec.speculative.proposers.ngram import Corpus
-
         if self.spec.algorithm != "NGRAM":
             raise JaxspecError("reset_ngram_corpus needs speculative_algorithm='NGRAM'")
         assert self.spec.ngram is not None
@@ -206,7 +222,9 @@ class Engine:
         spec_on = self.spec.enabled
         if spec_on and any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
             if not self._spec_auto:
-                raise JaxspecError("repetition/frequency/presence penalties are not supported with speculative decoding yet")
+                raise JaxspecError(
+                    "repetition/frequency/presence penalties are not supported with speculative decoding yet"
+                )
             spec_on = False  # the shipped draft was chosen for the user: fall back to plain decoding
             logger.info("penalties requested: decoding this batch without speculation")
         for i, x in enumerate(ids):
@@ -256,13 +274,34 @@ class Engine:
         cache = KVCache.create(self.cfg, b, s_len, self.dtype, self.kv_sharding)
         last_h = replicate(jnp.zeros((b, self.cfg.hidden_size), self.dtype), self.mesh)
         if spec_on:
-            out, num_out, finish, verify_ct, hist = self._spec_batch(cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks)
+            out, num_out, finish, verify_ct, hist = self._spec_batch(
+                cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks
+            )
         else:
             for c in range(n_chunks):
                 tokens = prompt_d[:, c * chunk : (c + 1) * chunk]
-                cache, last_h = prefill_chunk(self.graphdef, self.params, cache, tokens, jnp.int32(c * chunk), lens_d, last_h, backend=self.backend)
+                cache, last_h = prefill_chunk(
+                    self.graphdef,
+                    self.params,
+                    cache,
+                    tokens,
+                    jnp.int32(c * chunk),
+                    lens_d,
+                    last_h,
+                    backend=self.backend,
+                )
             out, num_out, finish, _ = decode(
-                self.graphdef, self.params, cache, last_h, prompt_d, lens_d, st, max_new_d, jnp.asarray(stop_arr), buf=buf, backend=self.backend
+                self.graphdef,
+                self.params,
+                cache,
+                last_h,
+                prompt_d,
+                lens_d,
+                st,
+                max_new_d,
+                jnp.asarray(stop_arr),
+                buf=buf,
+                backend=self.backend,
             )
             out, num_out, finish = jax.device_get((out, num_out, finish))
             verify_ct, hist = num_out, None
@@ -270,13 +309,19 @@ class Engine:
         if spec_on:  # finished requests feed the shared n-gram text
             self.feed_ngram_corpus([list(x) + list(map(int, out[i, : num_out[i]])) for i, x in enumerate(ids)])
         return [
-            self._result(list(map(int, out[i, : num_out[i]])), int(finish[i]), lens[i], params[i], latency, int(verify_ct[i]), None if hist is None else hist[i])
+            self._result(
+                list(map(int, out[i, : num_out[i]])),
+                int(finish[i]),
+                lens[i],
+                params[i],
+                latency,
+                int(verify_ct[i]),
+                None if hist is None else hist[i],
+            )
             for i in range(n)
         ]
 
     def _spec_batch(self, cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks):
-        from jaxspec.speculative.loop import spec_decode, spec_prefill_chunk
-
         prop, b = self.proposer, prompt.shape[0]
         dcache = replicate(prop.make_cache(b, cache.max_len, self.dtype), self.mesh)
         dprompt = jnp.asarray(draft_prompt(prompt, prop.shift))
@@ -285,11 +330,36 @@ class Engine:
         for c in range(n_chunks):
             sl = slice(c * chunk, (c + 1) * chunk)
             cache, dcache, last_h, last_feat = spec_prefill_chunk(
-                self.graphdef, self.params, prop, self.dparams, cache, dcache, prompt_d[:, sl], dprompt[:, sl], jnp.int32(c * chunk),
-                lens_d, last_h, last_feat, backend=self.backend,
+                self.graphdef,
+                self.params,
+                prop,
+                self.dparams,
+                cache,
+                dcache,
+                prompt_d[:, sl],
+                dprompt[:, sl],
+                jnp.int32(c * chunk),
+                lens_d,
+                last_h,
+                last_feat,
+                backend=self.backend,
             )
-        res, _ = spec_decode(self.graphdef, self.params, prop, self.dparams, self.spec, cache, dcache, last_h, last_feat, st, max_new_d,
-                          jnp.asarray(stop_arr), buf=buf, backend=self.backend)
+        res, _ = spec_decode(
+            self.graphdef,
+            self.params,
+            prop,
+            self.dparams,
+            self.spec,
+            cache,
+            dcache,
+            last_h,
+            last_feat,
+            st,
+            max_new_d,
+            jnp.asarray(stop_arr),
+            buf=buf,
+            backend=self.backend,
+        )
         return jax.device_get(res)
 
     def _result(self, out_ids, finish, prompt_len, p: SamplingParams, latency, verify_ct, hist) -> dict[str, Any]:
@@ -303,7 +373,9 @@ class Engine:
             cut = cut_at_stop_string(text, out_ids, p.stop_strings, decode_ids)
             if cut is not None:  # multi-token stop strings are applied after generation
                 text, out_ids, reason = cut
-        return make_result(uuid.uuid4().hex, text, out_ids, prompt_len, reason, latency, verify_ct, None if hist is None else hist[1:])
+        return make_result(
+            uuid.uuid4().hex, text, out_ids, prompt_len, reason, latency, verify_ct, None if hist is None else hist[1:]
+        )
 
 
 _ENGINES: dict = {}
@@ -314,14 +386,7 @@ def _draft_from_target(loaded: LoadedModel, algo: str | None) -> tuple | None:
     checkpoint (for EAGLE / NEXTN, as SGLang falls back to the target path), else a draft of that
     algorithm shipped with jaxspec for it (jaxspec.drafts); algo None (speculative_algorithm unset)
     asks for the target's default shipped draft."""
-    import os
-
-    from jaxspec.drafts import bundled_draft_for
-
     if algo == "EAGLE" and loaded.source_kind == "hf" and os.path.isdir(loaded.path):
-        from convert.sources import open_hf_dir
-        from jaxspec.models.mtp import mtp_layout
-
         src = open_hf_dir(loaded.path, check_config=False)
         if mtp_layout(src.config, src.names):
             return ("EAGLE", loaded.path, None)

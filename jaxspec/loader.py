@@ -7,9 +7,14 @@ import os
 
 import jax.numpy as jnp
 
+from convert.source import hf_tokenizer
+from convert.sources import open_source
 from jaxspec.config import ModelConfig
+from jaxspec.default_model import default_model_path
 from jaxspec.errors import JaxspecError
 from jaxspec.models.llama import LlamaForCausalLM
+from jaxspec.models.params import load_model
+from jaxspec.sharding import check_heads, placer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -33,28 +38,36 @@ class LoadedModel:
 
 def resolve_model_path(model_path: str | None, progress: bool = True) -> str:
     if model_path in (None, "", "default"):
-        from jaxspec.default_model import default_model_path
-
         return default_model_path(progress=progress)
     return model_path
 
 
-def load(model_path: str | None, dtype: str = "float32", tokenizer_path: str | None = None, progress: bool = True, with_tokenizer: bool = True,
-         mesh=None) -> LoadedModel:
+def load(
+    model_path: str | None,
+    dtype: str = "float32",
+    tokenizer_path: str | None = None,
+    progress: bool = True,
+    with_tokenizer: bool = True,
+    mesh=None,
+) -> LoadedModel:
     """mesh: a tensor-parallel mesh (jaxspec/sharding.py): each weight goes straight to its shards."""
-    from convert.sources import _hf_tokenizer, open_source
-    from jaxspec.models.params import load_model
-    from jaxspec.sharding import check_heads, placer
-
     path = resolve_model_path(model_path, progress)
     src = open_source(path)
     cfg = ModelConfig.from_hf(src.config)
     if mesh is not None:
         check_heads(cfg, mesh.size)
-    model = load_model(cfg, src.names, src.get, jnp_dtype(dtype), progress, desc=f"loading {os.path.basename(path.rstrip('/'))}", place=placer(mesh))
+    model = load_model(
+        cfg,
+        src.names,
+        src.get,
+        jnp_dtype(dtype),
+        progress,
+        desc=f"loading {os.path.basename(path.rstrip('/'))}",
+        place=placer(mesh),
+    )
     if not with_tokenizer:
         return LoadedModel(cfg, model, None, path, src.kind)
-    tokenizer = _hf_tokenizer(tokenizer_path) if tokenizer_path else src.load_tokenizer()
+    tokenizer = hf_tokenizer(tokenizer_path) if tokenizer_path else src.load_tokenizer()
     check_tokenizer(cfg, tokenizer, path)
     return LoadedModel(cfg, model, tokenizer, path, src.kind)
 
@@ -62,4 +75,6 @@ def load(model_path: str | None, dtype: str = "float32", tokenizer_path: str | N
 def check_tokenizer(cfg: ModelConfig, tokenizer, path: str) -> None:
     n = len(tokenizer)
     if n > cfg.vocab_size:
-        raise JaxspecError(f"tokenizer mismatch for {path}: tokenizer has {n} tokens but the model's vocab_size is {cfg.vocab_size}")
+        raise JaxspecError(
+            f"tokenizer mismatch for {path}: tokenizer has {n} tokens but the model's vocab_size is {cfg.vocab_size}"
+        )

@@ -27,14 +27,18 @@ def bucket(n: int, lo: int = 1) -> int:
     return 1 << max(math.ceil(math.log2(max(n, lo, 1))), 0)
 
 
-def check_prompt(ids: Sequence[int], context_length: int, vocab_size: int, name: str = "the prompt", hint: str = "") -> None:
+def check_prompt(
+    ids: Sequence[int], context_length: int, vocab_size: int, name: str = "the prompt", hint: str = ""
+) -> None:
     """Raises JaxspecError unless ids is a non-empty prompt of valid token ids leaving room for at
     least one output token. hint: what to do about a prompt that is too long."""
     if len(ids) == 0:
         raise JaxspecError(f"{name} is empty")
     if len(ids) >= context_length:
-        raise JaxspecError(f"{name} has {len(ids)} tokens, which does not fit the context length "
-                           f"(context_length={context_length}: prompt + output){hint}")
+        raise JaxspecError(
+            f"{name} has {len(ids)} tokens, which does not fit the context length "
+            f"(context_length={context_length}: prompt + output){hint}"
+        )
     if min(ids) < 0 or max(ids) >= vocab_size:
         raise JaxspecError(f"{name} has token ids outside [0, {vocab_size})")
 
@@ -86,8 +90,9 @@ def tokens_through(decode_ids: Callable[[list[int]], str], out_ids: list[int], s
     return lo
 
 
-def cut_at_stop_string(text: str, out_ids: list[int], stops: Sequence[str], decode_ids: Callable[[list[int]], str],
-                       start: int = 0) -> tuple[str, list[int], dict[str, Any]] | None:
+def cut_at_stop_string(
+    text: str, out_ids: list[int], stops: Sequence[str], decode_ids: Callable[[list[int]], str], start: int = 0
+) -> tuple[str, list[int], dict[str, Any]] | None:
     """The earliest stop string found in text[start:]: (text before it, the tokens through it,
     finish reason), or None."""
     found = [(text.find(s, start), s) for s in stops if s and s in text[start:]]
@@ -97,8 +102,17 @@ def cut_at_stop_string(text: str, out_ids: list[int], stops: Sequence[str], deco
     return text[:pos], out_ids[: tokens_through(decode_ids, out_ids, s)], {"type": "stop", "matched": s}
 
 
-def make_result(rid: str, text: str | None, out_ids: list[int], prompt_tokens: int, reason: dict[str, Any], latency: float,
-                verify_ct: int, hist: list[int] | None = None, **extra: Any) -> dict[str, Any]:
+def make_result(
+    rid: str,
+    text: str | None,
+    out_ids: list[int],
+    prompt_tokens: int,
+    reason: dict[str, Any],
+    latency: float,
+    verify_ct: int,
+    hist: list[int] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
     """SGLang's result dictionary. verify_ct: verification rounds (plain decoding: one per token);
     hist: accepted-length histogram (speculative requests); extra: more meta_info fields."""
     meta = {

@@ -53,12 +53,22 @@ class SamplingParams:
 
     max_new_tokens: Count = _param(128, "most tokens to generate")
     temperature: Annotated[float, Field(allow_inf_nan=False, ge=0)] = _param(1.0, "0 = greedy")
-    top_p: Annotated[float, Field(allow_inf_nan=False, gt=0, le=1)] = _param(1.0, "nucleus sampling: smallest set of tokens whose probability reaches this")
+    top_p: Annotated[float, Field(allow_inf_nan=False, gt=0, le=1)] = _param(
+        1.0, "nucleus sampling: smallest set of tokens whose probability reaches this"
+    )
     top_k: TopK = _param(-1, "sample among the k most likely tokens (-1 = all)")
-    min_p: Annotated[float, Field(allow_inf_nan=False, ge=0, le=1)] = _param(0.0, "drop tokens less likely than this times the most likely one")
-    frequency_penalty: Annotated[float, Field(allow_inf_nan=False, ge=-2, le=2)] = _param(0.0, "subtracted from a token's logit once per earlier occurrence in the output")
-    presence_penalty: Annotated[float, Field(allow_inf_nan=False, ge=-2, le=2)] = _param(0.0, "subtracted from the logit of every token already in the output")
-    repetition_penalty: Annotated[float, Field(allow_inf_nan=False, gt=0, le=2)] = _param(1.0, "divides positive (multiplies negative) logits of tokens seen in prompt or output")
+    min_p: Annotated[float, Field(allow_inf_nan=False, ge=0, le=1)] = _param(
+        0.0, "drop tokens less likely than this times the most likely one"
+    )
+    frequency_penalty: Annotated[float, Field(allow_inf_nan=False, ge=-2, le=2)] = _param(
+        0.0, "subtracted from a token's logit once per earlier occurrence in the output"
+    )
+    presence_penalty: Annotated[float, Field(allow_inf_nan=False, ge=-2, le=2)] = _param(
+        0.0, "subtracted from the logit of every token already in the output"
+    )
+    repetition_penalty: Annotated[float, Field(allow_inf_nan=False, gt=0, le=2)] = _param(
+        1.0, "divides positive (multiplies negative) logits of tokens seen in prompt or output"
+    )
     stop: Stop = _param(None, "stop string (repeatable); not part of the output")
     stop_token_ids: StopTokenIds = _param(None, "token ids that end generation (besides EOS)")
     ignore_eos: bool = _param(False, "keep generating past EOS")
@@ -81,7 +91,9 @@ class SamplingParams:
             k = cls.ALIASES.get(given, given)
             if v is not None:
                 if k in spelled:  # an alias and its field (max_tokens and max_new_tokens): which one is meant?
-                    raise JaxspecError(f"invalid sampling parameter: {spelled[k]} and {given} are the same parameter; pass one")
+                    raise JaxspecError(
+                        f"invalid sampling parameter: {spelled[k]} and {given} are the same parameter; pass one"
+                    )
                 spelled[k] = given
             if k == "n":
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -160,7 +172,6 @@ class SamplingTensors:
             presence_penalty=f32("presence_penalty"),
             keys=jax.vmap(jax.random.key)(jnp.asarray([seed_bits(s) for s in seeds], jnp.uint32)),
         )
-
 
     @classmethod
     def build_default(cls, batch: int) -> SamplingTensors:

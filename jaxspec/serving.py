@@ -42,13 +42,17 @@ def take_rows(tree, rows, span=None, prefix: int | None = None):
     """The slots `rows` [n] of a per-slot pytree: arrays -> x[rows], KV caches -> slot views.
     prefix=n promises rows == arange(n): arrays are sliced, caches read by slicing."""
     if prefix is not None:
-        return jax.tree_util.tree_map(lambda x: x.view(rows, span, prefix=True) if _is_cache(x) else x[:prefix], tree, is_leaf=_is_cache)
+        return jax.tree_util.tree_map(
+            lambda x: x.view(rows, span, prefix=True) if _is_cache(x) else x[:prefix], tree, is_leaf=_is_cache
+        )
     return jax.tree_util.tree_map(lambda x: x.view(rows, span) if _is_cache(x) else x[rows], tree, is_leaf=_is_cache)
 
 
 def put_rows(tree, rows, sub):
     """Writes `sub` (from take_rows) back into the slots `rows` of `tree`."""
-    return jax.tree_util.tree_map(lambda x, y: x.unview(y) if _is_cache(x) else x.at[rows].set(y), tree, sub, is_leaf=_is_cache)
+    return jax.tree_util.tree_map(
+        lambda x, y: x.unview(y) if _is_cache(x) else x.at[rows].set(y), tree, sub, is_leaf=_is_cache
+    )
 
 
 @jax.tree_util.register_dataclass
@@ -63,26 +67,61 @@ class SlotBatch:
     last_feat: jax.Array  # [B, F] prefill carry: the draft's feature of it ([B, 1] when unused)
 
     @classmethod
-    def create(cls, cfg, prop, slots: int, max_len: int, window: int, num_stop: int, dtype, num_steps: int = 0,
-               kv_sharding=None) -> SlotBatch:
+    def create(
+        cls,
+        cfg,
+        prop,
+        slots: int,
+        max_len: int,
+        window: int,
+        num_stop: int,
+        dtype,
+        num_steps: int = 0,
+        kv_sharding=None,
+    ) -> SlotBatch:
         """Empty slots. max_len: KV columns per slot (context + the round's scratch region);
         window: tokens one dispatch can emit per slot; num_stop: stop-token columns;
         kv_sharding: where the target's KV buffers live (jaxspec/sharding.py)."""
         b, v = slots, cfg.vocab_size
         cache = KVCache.create(cfg, b, max_len, dtype, kv_sharding)
         zi = lambda *s: jnp.zeros(s, jnp.int32)
-        common = dict(out=zi(b, window), num_out=zi(b), done=jnp.ones((b,), bool), finish=zi(b), last=zi(b), cache=cache, base=zi(b))
+        common = dict(
+            out=zi(b, window),
+            num_out=zi(b),
+            done=jnp.ones((b,), bool),
+            finish=zi(b),
+            last=zi(b),
+            cache=cache,
+            base=zi(b),
+        )
         if prop is None:
             core = DecodeState(counts=zi(b, v), seen=jnp.zeros((b, v), bool), **common)
             feat = 1
         else:
-            draft = DraftState(prop.make_cache(b, max_len, dtype), jnp.zeros((b, prop.draft_vocab), jnp.float32),
-                               jnp.zeros((b, prop.cfg.hidden_size if prop.uses_hidden else 1), dtype))
-            core = SpecState(draft=draft, verify_ct=zi(b), hist=zi(b, num_steps + 2), counts=zi(b, v), seen=jnp.zeros((b, v), bool), **common)
+            draft = DraftState(
+                prop.make_cache(b, max_len, dtype),
+                jnp.zeros((b, prop.draft_vocab), jnp.float32),
+                jnp.zeros((b, prop.cfg.hidden_size if prop.uses_hidden else 1), dtype),
+            )
+            core = SpecState(
+                draft=draft,
+                verify_ct=zi(b),
+                hist=zi(b, num_steps + 2),
+                counts=zi(b, v),
+                seen=jnp.zeros((b, v), bool),
+                **common,
+            )
             feat = (3 if prop.capture_layers else 1) * cfg.hidden_size if prop.uses_hidden else 1
         st = SamplingTensors.build_default(b)
-        return cls(core, st, zi(b), jnp.full((b, num_stop), -1, jnp.int32), jnp.zeros((b,), bool),
-                   jnp.zeros((b, cfg.hidden_size), dtype), jnp.zeros((b, feat), dtype)).placed(jax.device_put)
+        return cls(
+            core,
+            st,
+            zi(b),
+            jnp.full((b, num_stop), -1, jnp.int32),
+            jnp.zeros((b,), bool),
+            jnp.zeros((b, cfg.hidden_size), dtype),
+            jnp.zeros((b, feat), dtype),
+        ).placed(jax.device_put)
 
     def placed(self, put) -> SlotBatch:
         """Tensor parallel (the target's cache has a sharding): this batch with the target's KV buffers
@@ -100,7 +139,20 @@ class SlotBatch:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "prop", "span", "backend"), donate_argnames=("batch",))
-def admit_chunk(graphdef, params, prop, dparams, batch: SlotBatch, rows, tokens, dtokens, start, prompt_lens, span: int, backend="xla"):
+def admit_chunk(
+    graphdef,
+    params,
+    prop,
+    dparams,
+    batch: SlotBatch,
+    rows,
+    tokens,
+    dtokens,
+    start,
+    prompt_lens,
+    span: int,
+    backend="xla",
+):
     """Prefills one chunk of n new requests into the slots `rows` [n].
 
     tokens: [n, C] prompt tokens at positions [start, start + C); dtokens: the draft's tokens for the
@@ -114,17 +166,35 @@ def admit_chunk(graphdef, params, prop, dparams, batch: SlotBatch, rows, tokens,
         last_h = keep(h, last_h)
     else:
         dcache = take_rows(core.draft.cache, rows, span)
-        cache, dcache, last_h, last_feat = prefill_step(tgt, prop, dparams, cache, dcache, tokens, dtokens, start, prompt_lens,
-                                                        last_h, last_feat, backend)
-        core = dataclasses.replace(core, draft=dataclasses.replace(core.draft, cache=put_rows(core.draft.cache, rows, dcache)))
+        cache, dcache, last_h, last_feat = prefill_step(
+            tgt, prop, dparams, cache, dcache, tokens, dtokens, start, prompt_lens, last_h, last_feat, backend
+        )
+        core = dataclasses.replace(
+            core, draft=dataclasses.replace(core.draft, cache=put_rows(core.draft.cache, rows, dcache))
+        )
     core = dataclasses.replace(core, cache=core.cache.unview(cache))
-    batch = dataclasses.replace(batch, core=core, last_h=batch.last_h.at[rows].set(last_h), last_feat=batch.last_feat.at[rows].set(last_feat))
+    batch = dataclasses.replace(
+        batch, core=core, last_h=batch.last_h.at[rows].set(last_h), last_feat=batch.last_feat.at[rows].set(last_feat)
+    )
     return batch.placed(jax.lax.with_sharding_constraint)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "prop", "span", "backend"), donate_argnames=("batch",))
-def admit_finish(graphdef, params, prop, dparams, batch: SlotBatch, rows, st: SamplingTensors, max_new, stop_ids, plain, seen,
-                 span: int, backend="xla"):
+def admit_finish(
+    graphdef,
+    params,
+    prop,
+    dparams,
+    batch: SlotBatch,
+    rows,
+    st: SamplingTensors,
+    max_new,
+    stop_ids,
+    plain,
+    seen,
+    span: int,
+    backend="xla",
+):
     """After the last prefill chunk: samples each new request's first token, starts its draft, and
     sets its slot's parameters. st: [n]; max_new: [n] (>= 1); stop_ids: [n, K]; plain: [n] bool;
     seen: [n, V] bool prompt tokens. Returns (batch, first tokens [n])."""
@@ -137,9 +207,15 @@ def admit_finish(graphdef, params, prop, dparams, batch: SlotBatch, rows, st: Sa
     done = is_stop | (max_new <= 1)
     one = jax.nn.one_hot(first, seen.shape[1], dtype=jnp.int32)
     core = batch.core
-    fields = dict(num_out=jnp.ones((n,), jnp.int32), base=jnp.ones((n,), jnp.int32), done=done,
-                  finish=jnp.where(is_stop, STOPPED, jnp.where(done, LENGTH, RUNNING)).astype(jnp.int32), last=first,
-                  counts=one, seen=seen | (one > 0))
+    fields = dict(
+        num_out=jnp.ones((n,), jnp.int32),
+        base=jnp.ones((n,), jnp.int32),
+        done=done,
+        finish=jnp.where(is_stop, STOPPED, jnp.where(done, LENGTH, RUNNING)).astype(jnp.int32),
+        last=first,
+        counts=one,
+        seen=seen | (one > 0),
+    )
     put = lambda name, x: getattr(core, name).at[rows].set(x)
     if prop is not None:
         d = take_rows(core.draft, rows, span)
@@ -149,14 +225,22 @@ def admit_finish(graphdef, params, prop, dparams, batch: SlotBatch, rows, st: Sa
         fields.update(verify_ct=jnp.zeros((n,), jnp.int32), hist=jnp.zeros((n,) + core.hist.shape[1:], jnp.int32))
     core = dataclasses.replace(core, **{k: put(k, v) for k, v in fields.items()})
     batch = dataclasses.replace(
-        batch, core=core, st=put_rows(batch.st, rows, st), max_new=batch.max_new.at[rows].set(max_new),
-        stop_ids=batch.stop_ids.at[rows].set(stop_ids), plain=batch.plain.at[rows].set(plain),
+        batch,
+        core=core,
+        st=put_rows(batch.st, rows, st),
+        max_new=batch.max_new.at[rows].set(max_new),
+        stop_ids=batch.stop_ids.at[rows].set(stop_ids),
+        plain=batch.plain.at[rows].set(plain),
     )
     return batch.placed(jax.lax.with_sharding_constraint), first
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "prop", "spec", "k", "n_act", "span", "backend"), donate_argnames=("batch",))
-def dispatch(graphdef, params, prop, dparams, spec, batch: SlotBatch, kill, k: int, n_act: int, span: int, backend="xla"):
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "prop", "spec", "k", "n_act", "span", "backend"), donate_argnames=("batch",)
+)
+def dispatch(
+    graphdef, params, prop, dparams, spec, batch: SlotBatch, kill, k: int, n_act: int, span: int, backend="xla"
+):
     """Up to k rounds (plain: decode steps) for slots [0, n_act), stopping early when all are done.
 
     kill: [B] bool, slots to stop first (cancelled requests). Returns (batch, outs) with outs =
@@ -170,12 +254,24 @@ def dispatch(graphdef, params, prop, dparams, spec, batch: SlotBatch, kill, k: i
     if prop is None:
         step = lambda s: decode_step(tgt, s, sub.st, sub.max_new, sub.stop_ids, backend)
     else:
-        thr = (jnp.full((n_act,), spec.accept_threshold_single, jnp.float32), jnp.full((n_act,), spec.accept_threshold_acc, jnp.float32))
-        step = lambda s: spec_round(tgt, prop, dparams, spec, s, sub.st, sub.max_new, sub.stop_ids, thr, backend, plain=sub.plain)
-    _, core = jax.lax.while_loop(lambda c: (c[0] < k) & ~jnp.all(c[1].done), lambda c: (c[0] + 1, step(c[1])), (jnp.int32(0), core))
+        thr = (
+            jnp.full((n_act,), spec.accept_threshold_single, jnp.float32),
+            jnp.full((n_act,), spec.accept_threshold_acc, jnp.float32),
+        )
+        step = lambda s: spec_round(
+            tgt, prop, dparams, spec, s, sub.st, sub.max_new, sub.stop_ids, thr, backend, plain=sub.plain
+        )
+    _, core = jax.lax.while_loop(
+        lambda c: (c[0] < k) & ~jnp.all(c[1].done), lambda c: (c[0] + 1, step(c[1])), (jnp.int32(0), core)
+    )
     batch = put_rows(batch, rows, dataclasses.replace(sub, core=core))
     if prop is None:
         extra = (core.num_out, jnp.zeros((n_act, 1), jnp.int32))
     else:
         extra = (core.verify_ct, core.hist)
-    return batch.placed(jax.lax.with_sharding_constraint), (core.out, core.num_out - core.base, core.done, core.finish) + extra
+    return batch.placed(jax.lax.with_sharding_constraint), (
+        core.out,
+        core.num_out - core.base,
+        core.done,
+        core.finish,
+    ) + extra

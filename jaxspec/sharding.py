@@ -38,7 +38,9 @@ def make_mesh(tp_size: int) -> Mesh | None:
     """The ("tp",) mesh over the first tp_size devices; None for tp_size 1 (no mesh at all)."""
     n = len(jax.devices())
     if tp_size < 1 or tp_size > n:
-        raise JaxspecError(f"tp_size must be in 1..{n} (the number of {jax.devices()[0].platform} devices), got {tp_size}")
+        raise JaxspecError(
+            f"tp_size must be in 1..{n} (the number of {jax.devices()[0].platform} devices), got {tp_size}"
+        )
     if tp_size == 1:
         return None
     return jax.make_mesh((tp_size,), (AXIS,), axis_types=(AxisType.Auto,), devices=jax.devices()[:tp_size])
@@ -107,5 +109,7 @@ def init_distributed(addr: str | None, nnodes: int, node_rank: int) -> None:
     if nnodes == 1:
         return
     if not addr:
-        raise JaxspecError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, reachable from every host)")
+        raise JaxspecError(
+            "--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, reachable from every host)"
+        )
     jax.distributed.initialize(coordinator_address=addr, num_processes=nnodes, process_id=node_rank)

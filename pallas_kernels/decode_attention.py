@@ -40,16 +40,39 @@ def decode_attention_reference(q, k, v, kv_len, *, sliding_window=None, scale=No
     return out.reshape(b, h, d).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "block_k", "splits", "num_warps",
-                                             "num_stages", "interpret"))
-def decode_attention(q, k, v, kv_len, *, sliding_window: int | None = None, scale: float | None = None,
-                     block_k: int | None = None, splits: int | None = None, num_warps: int = 4,
-                     num_stages: int = 2, interpret: bool = False):
+@functools.partial(
+    jax.jit, static_argnames=("sliding_window", "scale", "block_k", "splits", "num_warps", "num_stages", "interpret")
+)
+def decode_attention(
+    q,
+    k,
+    v,
+    kv_len,
+    *,
+    sliding_window: int | None = None,
+    scale: float | None = None,
+    block_k: int | None = None,
+    splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+):
     """q: [B, H, D]; k, v: [B, S, Hkv, D] (read in place); kv_len: [B] int32 visible columns.
     Returns [B, H, D] in q.dtype. Knobs as in `tree_attention` (splits default: fill the GPU)."""
     # The tree kernel's causal rule with one row: column c is visible iff c - prefix <= 0, i.e.
     # c < kv_len for prefix = kv_len - 1; its sliding-window rule c > prefix - window matches ours.
-    out = tree_attention(q[:, None], k, v, kv_len - 1, None, sliding_window=sliding_window, scale=scale,
-                         block_k=block_k, splits=splits, num_warps=num_warps, num_stages=num_stages,
-                         interpret=interpret)
+    out = tree_attention(
+        q[:, None],
+        k,
+        v,
+        kv_len - 1,
+        None,
+        sliding_window=sliding_window,
+        scale=scale,
+        block_k=block_k,
+        splits=splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=interpret,
+    )
     return out[:, 0]

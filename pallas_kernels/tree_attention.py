@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 NEG = -1e30  # finite "minus infinity": masked scores never produce inf - inf
 TARGET_PROGRAMS = 132  # one wave of an H100's SMs
 MIN_SPLIT_COLUMNS = 256  # fewer columns per split and the split-merge traffic (float32 partial
-                         # outputs) starts to rival the K/V bytes it saves time on
+# outputs) starts to rival the K/V bytes it saves time on
 
 
 def tree_attention_reference(q, k, v, kv_len, local_mask=None, *, offset=0, sliding_window=None, scale=None):
@@ -86,8 +86,21 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _kernel(kv_len_ref, pos_ref, q_ref, k_ref, v_ref, *rest, scale, block_k, group, num_rows, local_width,
-            sliding_window, precision):
+def _kernel(
+    kv_len_ref,
+    pos_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *rest,
+    scale,
+    block_k,
+    group,
+    num_rows,
+    local_width,
+    sliding_window,
+    precision,
+):
     """One program: rows [block_r] of one (slot, KV head), one split of the visible columns.
 
     kv_len_ref: [] int32; pos_ref: [] int32 = kv_len + offset, the cache column of query token 0; q_ref: [block_r, D]; k_ref, v_ref: [S, D] (strided views of the cache);
@@ -123,8 +136,10 @@ def _kernel(kv_len_ref, pos_ref, q_ref, k_ref, v_ref, *rest, scale, block_k, gro
         c0 = lo + i * block_k
         k = k_ref[pl.ds(c0, block_k), :]  # [block_k, D]
         v = v_ref[pl.ds(c0, block_k), :]
-        sc = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32) * scale  # [block_r, block_k]
+        sc = (
+            lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+            * scale
+        )  # [block_r, block_k]
         col = c0 + col_iota
         rel = col - kv_len
         if has_mask:
@@ -142,12 +157,16 @@ def _kernel(kv_len_ref, pos_ref, q_ref, k_ref, v_ref, *rest, scale, block_k, gro
         p = jnp.where(vis, jnp.exp(sc - m_new[:, None]), 0.0)
         corr = jnp.exp(m - m_new)
         l = l * corr + p.sum(axis=1)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)  # [block_r, D]
+        pv = lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )  # [block_r, D]
         return acc * corr[:, None] + pv, m_new, l
 
-    init = (jnp.zeros((block_r, d), jnp.float32), jnp.full((block_r,), NEG, jnp.float32),
-            jnp.zeros((block_r,), jnp.float32))
+    init = (
+        jnp.zeros((block_r, d), jnp.float32),
+        jnp.full((block_r,), NEG, jnp.float32),
+        jnp.zeros((block_r,), jnp.float32),
+    )
     acc, m, l = lax.fori_loop(0, n_blocks, body, init)
     acc_ref[...] = acc
     m_ref[...] = m
@@ -169,11 +188,27 @@ def default_splits(b: int, hkv: int, row_blocks: int, s: int) -> int:
     return int(max(1, min(want, s // MIN_SPLIT_COLUMNS, 64)))
 
 
-@functools.partial(jax.jit, static_argnames=("sliding_window", "scale", "block_k", "block_r", "splits",
-                                             "num_warps", "num_stages", "interpret"))
-def tree_attention(q, k, v, kv_len, local_mask=None, *, offset=0, sliding_window: int | None = None,
-                   scale: float | None = None, block_k: int | None = None, block_r: int | None = None,
-                   splits: int | None = None, num_warps: int = 4, num_stages: int = 2, interpret: bool = False):
+@functools.partial(
+    jax.jit,
+    static_argnames=("sliding_window", "scale", "block_k", "block_r", "splits", "num_warps", "num_stages", "interpret"),
+)
+def tree_attention(
+    q,
+    k,
+    v,
+    kv_len,
+    local_mask=None,
+    *,
+    offset=0,
+    sliding_window: int | None = None,
+    scale: float | None = None,
+    block_k: int | None = None,
+    block_r: int | None = None,
+    splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+):
     """q: [B, T, H, D]; k, v: [B, S, Hkv, D] (the cache, read in place); kv_len: [B] int32;
     local_mask: [B, T, W] bool or None (causal); offset: int32 scalar (may be traced), query token t
     sits at cache column kv_len + offset + t. Returns [B, T, H, D] in q.dtype.
@@ -217,10 +252,15 @@ def tree_attention(q, k, v, kv_len, local_mask=None, *, offset=0, sliding_window
         in_specs.append(pl.BlockSpec((None, block_r, wp), lambda bi, hi, ri, si: (bi, ri, 0)))
 
     kernel = functools.partial(
-        _kernel, scale=scale, block_k=block_k, group=group, num_rows=rows,
+        _kernel,
+        scale=scale,
+        block_k=block_k,
+        group=group,
+        num_rows=rows,
         local_width=local_mask.shape[2] if has_mask else None,
         sliding_window=sliding_window,
-        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT)
+        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT,
+    )
     stat = lambda bi, hi, ri, si: (bi, hi, si, ri)
     acc, m, l = pl.pallas_call(
         kernel,

@@ -63,11 +63,15 @@ class Guard:
         if self.api_key and scope["path"] != "/health":
             auth = headers.get(b"authorization", b"")
             if not hmac.compare_digest(auth, b"Bearer " + self.api_key.encode()):  # constant time
-                resp = _error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "AuthenticationError")
+                resp = _error_response(
+                    401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "AuthenticationError"
+                )
                 return await resp(scope, receive, send)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
-            resp = _error_response(413, f"request body of {int(length)} bytes exceeds the limit of {self.max_body}", "RequestTooLarge")
+            resp = _error_response(
+                413, f"request body of {int(length)} bytes exceeds the limit of {self.max_body}", "RequestTooLarge"
+            )
             return await resp(scope, receive, send)
         seen = 0
 
@@ -83,8 +87,14 @@ class Guard:
         return await self.app(scope, counted, send)
 
 
-def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = None, max_body_bytes: int = 16 << 20,
-               server_args: dict | None = None, manage_scheduler: bool = True) -> FastAPI:
+def create_app(
+    sched: Scheduler,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int = 16 << 20,
+    server_args: dict | None = None,
+    manage_scheduler: bool = True,
+) -> FastAPI:
     eng = sched.eng
 
     @contextlib.asynccontextmanager
@@ -146,7 +156,9 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
 
     def check_model(name: str | None) -> None:
         if name not in (None, "", "default", served_model_name):
-            raise HTTPError(404, f"model {name!r} is not served here; use {served_model_name!r} or 'default'", "NotFoundError")
+            raise HTTPError(
+                404, f"model {name!r} is not served here; use {served_model_name!r} or 'default'", "NotFoundError"
+            )
 
     def encode(text: str, add_special_tokens: bool = True) -> list[int]:
         if eng.tokenizer is None:
@@ -159,7 +171,12 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
             raise HTTPError(503, f"the scheduler stopped after an internal error: {sched.error}", "ServiceUnavailable")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        req = SchedRequest(ids=list(ids), params=params, speculative=speculative, emit=lambda e: loop.call_soon_threadsafe(q.put_nowait, e))
+        req = SchedRequest(
+            ids=list(ids),
+            params=params,
+            speculative=speculative,
+            emit=lambda e: loop.call_soon_threadsafe(q.put_nowait, e),
+        )
         try:
             sched.submit(req)
         except QueueFull as e:
@@ -175,7 +192,9 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
                     e = await asyncio.wait_for(q.get(), timeout=1.0)
                 except TimeoutError:
                     e = None
-                if time.monotonic() - checked >= 1.0:  # also while events keep coming (a non-streaming client is not watched otherwise)
+                if (
+                    time.monotonic() - checked >= 1.0
+                ):  # also while events keep coming (a non-streaming client is not watched otherwise)
                     checked = time.monotonic()
                     if await request.is_disconnected():
                         sched.cancel(req)
@@ -204,8 +223,11 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
 
     def usage(res: dict) -> dict:
         m = res["meta_info"]
-        return {"prompt_tokens": m["prompt_tokens"], "completion_tokens": m["completion_tokens"],
-                "total_tokens": m["prompt_tokens"] + m["completion_tokens"]}
+        return {
+            "prompt_tokens": m["prompt_tokens"],
+            "completion_tokens": m["completion_tokens"],
+            "total_tokens": m["prompt_tokens"] + m["completion_tokens"],
+        }
 
     def finish_fields(res: dict) -> dict:
         r = res["meta_info"]["finish_reason"]
@@ -227,20 +249,35 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
                 choice["message"] = {"role": "assistant", "content": res["text"]}
             else:
                 choice["text"] = res["text"]
-            return {"id": rid, "object": obj, "created": created, "model": served_model_name, "choices": [choice],
-                    "usage": usage(res), "spec_metrics": spec_metrics(res)}
+            return {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": served_model_name,
+                "choices": [choice],
+                "usage": usage(res),
+                "spec_metrics": spec_metrics(res),
+            }
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def chunk(piece: str | None, fin: dict | None, first: bool = False):
             if chat:
-                delta = {"role": "assistant", "content": piece or ""} if first else ({"content": piece} if piece else {})
+                delta = (
+                    {"role": "assistant", "content": piece or ""} if first else ({"content": piece} if piece else {})
+                )
                 c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
             else:
                 c = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": None}
             if fin is not None:
                 c.update(fin)
-            return {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created, "model": served_model_name, "choices": [c]}
+            return {
+                "id": rid,
+                "object": obj + ".chunk" if chat else obj,
+                "created": created,
+                "model": served_model_name,
+                "choices": [c],
+            }
 
         async def gen():
             if chat:
@@ -257,8 +294,16 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
                     last["spec_metrics"] = spec_metrics(res)
                     yield sse(last)
                     if include_usage:
-                        yield sse({"id": rid, "object": obj + ".chunk" if chat else obj, "created": created, "model": served_model_name,
-                                   "choices": [], "usage": usage(res)})
+                        yield sse(
+                            {
+                                "id": rid,
+                                "object": obj + ".chunk" if chat else obj,
+                                "created": created,
+                                "model": served_model_name,
+                                "choices": [],
+                                "usage": usage(res),
+                            }
+                        )
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -270,16 +315,33 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
         if sched.error:
             return _error_response(503, f"scheduler stopped: {sched.error}", "ServiceUnavailable")
         if sched.recovering:
-            return _error_response(503, f"re-creating the device state after an error: {sched.last_recovery}", "ServiceUnavailable",
-                                   {"Retry-After": "1"})
+            return _error_response(
+                503,
+                f"re-creating the device state after an error: {sched.last_recovery}",
+                "ServiceUnavailable",
+                {"Retry-After": "1"},
+            )
         if sched.stats.recoveries:
-            return PlainTextResponse(f"ok (device state re-created {sched.stats.recoveries} times; last: {sched.last_recovery})")
+            return PlainTextResponse(
+                f"ok (device state re-created {sched.stats.recoveries} times; last: {sched.last_recovery})"
+            )
         return PlainTextResponse("ok")
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0, "owned_by": "jaxspec",
-                                            "root": served_model_name, "max_model_len": sched.context_length}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served_model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "jaxspec",
+                    "root": served_model_name,
+                    "max_model_len": sched.context_length,
+                }
+            ],
+        }
 
     @app.post("/v1/chat/completions", openapi_extra=_body("ChatCompletionRequest"))
     async def chat_completions(request: Request):
@@ -319,8 +381,13 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
                 if e["type"] == "delta":
                     text += e["text"]
                     out_ids += e["ids"]
-                    yield sse({"text": text, "output_ids": list(out_ids), "meta_info": {"id": req.rid, "completion_tokens": len(out_ids),
-                                                                                     "finish_reason": None}})
+                    yield sse(
+                        {
+                            "text": text,
+                            "output_ids": list(out_ids),
+                            "meta_info": {"id": req.rid, "completion_tokens": len(out_ids), "finish_reason": None},
+                        }
+                    )
                 elif e["type"] == "error":
                     yield sse(error_body(500, e["message"], "InternalServerError"))
                     break
@@ -333,13 +400,27 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
     @app.get("/get_server_info")
     async def server_info():
         acc = sched.avg_spec_accept_length
-        internal = {"avg_spec_accept_length": acc, "last_gen_throughput": sched.stats.tokens_per_s(), "num_running_reqs": sched.running,
-                    "num_queue_reqs": sched.queue_depth, "memory_plan": dataclasses.asdict(sched.memory_plan)}
-        return {**(server_args or {}), "served_model_name": served_model_name, "speculative_algorithm": eng.spec.algorithm,
-                "speculative_num_steps": eng.spec.num_steps, "speculative_eagle_topk": eng.spec.eagle_topk,
-                "speculative_num_draft_tokens": eng.spec.num_draft_tokens, "context_length": sched.context_length,
-                "max_running_requests": sched.slots, "num_continuous_decode_steps": sched.k, "overlap_schedule": sched.overlap,
-                "avg_spec_accept_length": acc, "internal_states": [internal]}
+        internal = {
+            "avg_spec_accept_length": acc,
+            "last_gen_throughput": sched.stats.tokens_per_s(),
+            "num_running_reqs": sched.running,
+            "num_queue_reqs": sched.queue_depth,
+            "memory_plan": dataclasses.asdict(sched.memory_plan),
+        }
+        return {
+            **(server_args or {}),
+            "served_model_name": served_model_name,
+            "speculative_algorithm": eng.spec.algorithm,
+            "speculative_num_steps": eng.spec.num_steps,
+            "speculative_eagle_topk": eng.spec.eagle_topk,
+            "speculative_num_draft_tokens": eng.spec.num_draft_tokens,
+            "context_length": sched.context_length,
+            "max_running_requests": sched.slots,
+            "num_continuous_decode_steps": sched.k,
+            "overlap_schedule": sched.overlap,
+            "avg_spec_accept_length": acc,
+            "internal_states": [internal],
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -360,7 +441,12 @@ def create_app(sched: Scheduler, served_model_name: str, api_key: str | None = N
 
 def _body(name: str) -> dict:
     """OpenAPI request body of a route that parses its JSON itself (see parse_json)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
+        }
+    }
 
 
 def _no_constant(name: str):
@@ -380,7 +466,9 @@ def parse_json(raw: bytes) -> dict:
         raise HTTPError(400, "the request body must be a JSON object", "BadRequestError")
     where = _bad_string(data, "")
     if where is not None:
-        raise HTTPError(400, f"{where or 'body'}: strings must be valid Unicode (unpaired surrogate)", "BadRequestError")
+        raise HTTPError(
+            400, f"{where or 'body'}: strings must be valid Unicode (unpaired surrogate)", "BadRequestError"
+        )
     return data
 
 
@@ -416,17 +504,34 @@ def prometheus_text(sched: Scheduler, model: str) -> str:
         ("num_requests_finished_total", "counter", "requests finished (stop or length)", st.finished),
         ("num_requests_aborted_total", "counter", "requests cancelled (client gone or shutdown)", st.aborted),
         ("num_requests_rejected_total", "counter", "requests refused because the queue was full", st.rejected),
-        ("num_requests_failed_total", "counter", "requests ended by an internal error (the server kept running)", st.failed),
+        (
+            "num_requests_failed_total",
+            "counter",
+            "requests ended by an internal error (the server kept running)",
+            st.failed,
+        ),
         ("num_recoveries_total", "counter", "times the device state was lost and re-created", st.recoveries),
-        ("num_compiles_on_demand_total", "counter", "device programs a request had to wait for (none compiled covered it)",
-         sched.programs.compiles_on_demand),
-        ("background_compile_remaining", "gauge", "program shapes the background compile has yet to reach",
-         max(sched.programs.background_total - sched.programs.background_done, 0)),
+        (
+            "num_compiles_on_demand_total",
+            "counter",
+            "device programs a request had to wait for (none compiled covered it)",
+            sched.programs.compiles_on_demand,
+        ),
+        (
+            "background_compile_remaining",
+            "gauge",
+            "program shapes the background compile has yet to reach",
+            max(sched.programs.background_total - sched.programs.background_done, 0),
+        ),
         ("prompt_tokens_total", "counter", "prompt tokens of accepted requests", st.prompt_tokens),
         ("generation_tokens_total", "counter", "generated tokens", st.generation_tokens),
         ("gen_throughput", "gauge", "generated tokens per second over the last 10 s", round(st.tokens_per_s(), 3)),
-        ("spec_accept_length", "gauge", "mean tokens per verification round of finished speculative requests",
-         sched.avg_spec_accept_length or 0.0),
+        (
+            "spec_accept_length",
+            "gauge",
+            "mean tokens per verification round of finished speculative requests",
+            sched.avg_spec_accept_length or 0.0,
+        ),
         ("spec_verify_ct_total", "counter", "verification rounds of finished speculative requests", st.spec_verify_ct),
         ("num_running_reqs", "gauge", "requests holding a slot", sched.running),
         ("num_queue_reqs", "gauge", "requests waiting for a slot", sched.queue_depth),

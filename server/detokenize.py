@@ -27,8 +27,15 @@ class DetokState:
     read_off: int = 0  # tokens already turned into text
 
 
-def detokenize(tok: Any, lock: threading.Lock, st: DetokState, out_ids: list[int], stops: list[str], skip_special_tokens: bool,
-               final: bool) -> tuple[str, list[int], dict[str, Any] | None]:
+def detokenize(
+    tok: Any,
+    lock: threading.Lock,
+    st: DetokState,
+    out_ids: list[int],
+    stops: list[str],
+    skip_special_tokens: bool,
+    final: bool,
+) -> tuple[str, list[int], dict[str, Any] | None]:
     """Extends st.text by the tokens of out_ids past st.read_off. Returns (text to stream now,
     out_ids cut after a stop string, the stop-string finish reason or None). lock: held around the
     tokenizer (HF tokenizers are not safe to share across threads)."""
@@ -47,7 +54,9 @@ def detokenize(tok: Any, lock: threading.Lock, st: DetokState, out_ids: list[int
     start = max(0, min(st.sent, len(text)) - max((len(s) for s in stops), default=0))
     if stops:
         with lock:
-            cut = cut_at_stop_string(text, out_ids, stops, lambda x: tok.decode(x, skip_special_tokens=skip_special_tokens), start)
+            cut = cut_at_stop_string(
+                text, out_ids, stops, lambda x: tok.decode(x, skip_special_tokens=skip_special_tokens), start
+            )
         if cut is not None:
             text, out_ids, hit = cut
             final = True

@@ -8,6 +8,13 @@ import os
 import sys
 import time
 
+import jax
+
+from jaxspec.args import EngineArgs, ServerArgs, from_namespace
+from jaxspec.engine import Engine
+from server.app import create_app
+from server.scheduler import Scheduler, warmup
+
 logger = logging.getLogger("jaxspec.server")
 
 
@@ -19,30 +26,42 @@ def default_served_name(model_path: str | None) -> str:
 
 def build(args, progress: bool = True):
     """(app, scheduler) from parsed `jaxspec serve` arguments; raises JaxspecError on bad flags or OOM."""
-    from jaxspec.args import EngineArgs, ServerArgs, from_namespace
-    from jaxspec.engine import Engine
-    from server.app import create_app
-    from server.scheduler import Scheduler, warmup
-
     flags = from_namespace(EngineArgs, args)
     server = from_namespace(ServerArgs, args)
     server.validate()
     eng = Engine(flags, show_progress=progress)
-    sched = Scheduler(eng, flags.max_running_requests, server.mem_fraction_static, server.max_queued_requests,
-                      server.num_continuous_decode_steps, overlap=not server.disable_overlap_schedule)
+    sched = Scheduler(
+        eng,
+        flags.max_running_requests,
+        server.mem_fraction_static,
+        server.max_queued_requests,
+        server.num_continuous_decode_steps,
+        overlap=not server.disable_overlap_schedule,
+    )
     if not server.disable_cuda_graph:
         t = time.perf_counter()
-        import jax
-
         default_bs = 2 if jax.devices()[0].platform == "cpu" else 8
-        n = warmup(sched, server.cuda_graph_max_bs or default_bs, progress=progress, background=not server.disable_background_compile)
-        logger.warning("compiled %d start-up programs in %.1f s%s", n, time.perf_counter() - t,
-                       "" if server.disable_background_compile else f"; compiling {sched.programs.background_total} more in the background")
+        n = warmup(
+            sched,
+            server.cuda_graph_max_bs or default_bs,
+            progress=progress,
+            background=not server.disable_background_compile,
+        )
+        logger.warning(
+            "compiled %d start-up programs in %.1f s%s",
+            n,
+            time.perf_counter() - t,
+            ""
+            if server.disable_background_compile
+            else f"; compiling {sched.programs.background_total} more in the background",
+        )
     name = server.served_model_name or default_served_name(flags.model_path)
     # /get_server_info reports every flag but the key
     server_args = {**dataclasses.asdict(flags), **dataclasses.asdict(server)}
     server_args.pop("api_key")
-    app = create_app(sched, name, api_key=server.api_key, max_body_bytes=server.max_request_bytes, server_args=server_args)
+    app = create_app(
+        sched, name, api_key=server.api_key, max_body_bytes=server.max_request_bytes, server_args=server_args
+    )
     return app, sched
 
 
@@ -52,9 +71,22 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app, sched = build(args)
     spec = sched.eng.spec
-    desc = "plain decoding" if not spec.enabled else f"{spec.algorithm} {spec.num_steps}/{spec.eagle_topk}/{spec.num_draft_tokens}"
-    print(f"jaxspec serve: {sched.slots} request slots x {sched.context_length} tokens, {desc}; "
-          f"listening on http://{args.host}:{args.port} (Ctrl-C to stop)", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    desc = (
+        "plain decoding"
+        if not spec.enabled
+        else f"{spec.algorithm} {spec.num_steps}/{spec.eagle_topk}/{spec.num_draft_tokens}"
+    )
+    print(
+        f"jaxspec serve: {sched.slots} request slots x {sched.context_length} tokens, {desc}; "
+        f"listening on http://{args.host}:{args.port} (Ctrl-C to stop)",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
     return 0

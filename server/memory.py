@@ -49,8 +49,16 @@ def nbytes(tree: Any) -> int:
     return sum(size(x) for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "shape"))
 
 
-def plan_slots(one_slot: Callable[[], Any], kv_of: Callable[[Any], Any], weights: Any, tp_size: int, context_length: int,
-               requested: int | None, fraction: float, gpu: bool) -> MemoryPlan:
+def plan_slots(
+    one_slot: Callable[[], Any],
+    kv_of: Callable[[Any], Any],
+    weights: Any,
+    tp_size: int,
+    context_length: int,
+    requested: int | None,
+    fraction: float,
+    gpu: bool,
+) -> MemoryPlan:
     """one_slot(): the state of one slot (traced with eval_shape, never allocated); kv_of(state):
     its target KV cache (split tp_size ways); weights: every parameter pytree on the device.
     requested: --max-running-requests (None: what fits, at most 64 on GPU and 8 on CPU)."""
@@ -64,13 +72,16 @@ def plan_slots(one_slot: Callable[[], Any], kv_of: Callable[[Any], Any], weights
     budget = int(total * fraction) - w
     fits = budget // per_slot if budget > 0 else 0
     gib = lambda x: f"{x / 2**30:.2f} GiB"
-    plan = (f"per device: {where} {gib(total)} x mem_fraction_static {fraction} = {gib(total * fraction)}; weights (target + draft) "
-            f"{gib(w)}; one request slot (KV cache for context_length {context_length} + draft state) {gib(per_slot)}")
+    plan = (
+        f"per device: {where} {gib(total)} x mem_fraction_static {fraction} = {gib(total * fraction)}; weights (target + draft) "
+        f"{gib(w)}; one request slot (KV cache for context_length {context_length} + draft state) {gib(per_slot)}"
+    )
     if fits < 1:
         raise JaxspecError(
             f"out of memory: not even one request slot fits. {plan}. Try: a smaller --context-length, fewer "
             "--max-running-requests, a smaller speculative tree (--speculative-num-draft-tokens / --speculative-eagle-topk), "
-            "--dtype bfloat16, or a higher --mem-fraction-static")
+            "--dtype bfloat16, or a higher --mem-fraction-static"
+        )
     cap = requested if requested is not None else (64 if gpu else 8)
     if cap < 1:
         raise JaxspecError("--max-running-requests must be >= 1")

@@ -25,14 +25,16 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from tqdm.auto import tqdm
 
 from jaxspec.cache import KVCache
 from jaxspec.requests import bucket
-from jaxspec.sampling import SamplingTensors
+from jaxspec.sampling import SamplingParams, SamplingTensors
 from jaxspec.serving import admit_chunk, admit_finish, dispatch
 
 logger = logging.getLogger("jaxspec.server")
@@ -46,7 +48,10 @@ def _spec(x):
 
 def _sig(tree) -> tuple:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return (treedef, tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) for x in leaves if hasattr(x, "shape")))
+    return (
+        treedef,
+        tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) for x in leaves if hasattr(x, "shape")),
+    )
 
 
 # Compiled programs of every Scheduler in this process, so that schedulers over the same model and
@@ -73,8 +78,18 @@ class Programs:
         self._batch_spec = jax.tree_util.tree_map(_spec, sched.batch)
         self._params_spec = jax.tree_util.tree_map(_spec, sched.eng.params)
         eng = sched.eng
-        self._static = (eng.graphdef, sched.prop, sched.spec, sched.k, eng.backend, sched.slots, sched.max_len, sched.num_stop,
-                        _sig(self._batch_spec), _sig(self._params_spec))
+        self._static = (
+            eng.graphdef,
+            sched.prop,
+            sched.spec,
+            sched.k,
+            eng.backend,
+            sched.slots,
+            sched.max_len,
+            sched.num_stop,
+            _sig(self._batch_spec),
+            _sig(self._params_spec),
+        )
         self._table_for: Any = None  # the eng.dparams that self._tbl was looked up for
         self._tbl: dict[tuple, Any] = {}
         self._thread: threading.Thread | None = None
@@ -82,7 +97,9 @@ class Programs:
         self.background_total = 0
         self.background_done = 0
         self.idle_only = jax.devices()[0].platform == "cpu"  # background compiles only while no request runs
-        self.fresh: collections.deque = collections.deque()  # (key, program) compiled in the background, not yet run once
+        self.fresh: collections.deque = (
+            collections.deque()
+        )  # (key, program) compiled in the background, not yet run once
 
     # ---- shapes --------------------------------------------------------------------------------
 
@@ -137,7 +154,9 @@ class Programs:
         spans, sizes = self.spans(), self.sizes()
         keys = [("dispatch", 1, x) for x in spans]
         keys += [("dispatch", n, x) for x in spans for n in sizes]
-        keys += [("chunk", 1, c, spans[0]) for c in self.chunk_sizes() if c < spans[0]]  # tiny prompts under a large min span
+        keys += [
+            ("chunk", 1, c, spans[0]) for c in self.chunk_sizes() if c < spans[0]
+        ]  # tiny prompts under a large min span
         for n in sizes[1:]:
             keys.append(("finish", n))
             keys += [("chunk", n, self.chunk_for(x), x) for x in spans if x <= 512]
@@ -163,17 +182,52 @@ class Programs:
         dparams = jax.tree_util.tree_map(_spec, eng.dparams)
         if key[0] == "dispatch":
             _, n_act, span = key
-            return dispatch.lower(eng.graphdef, self._params_spec, s.prop, dparams, s.spec, self._batch_spec, sds((s.slots,), bool),
-                                  k=s.k, n_act=n_act, span=span, backend=eng.backend)
+            return dispatch.lower(
+                eng.graphdef,
+                self._params_spec,
+                s.prop,
+                dparams,
+                s.spec,
+                self._batch_spec,
+                sds((s.slots,), bool),
+                k=s.k,
+                n_act=n_act,
+                span=span,
+                backend=eng.backend,
+            )
         if key[0] == "chunk":
             _, n, c, span = key
-            return admit_chunk.lower(eng.graphdef, self._params_spec, s.prop, dparams, self._batch_spec, sds((n,), i32), sds((n, c), i32),
-                                     sds((n, c), i32), sds((), i32), sds((n,), i32), span=span, backend=eng.backend)
+            return admit_chunk.lower(
+                eng.graphdef,
+                self._params_spec,
+                s.prop,
+                dparams,
+                self._batch_spec,
+                sds((n,), i32),
+                sds((n, c), i32),
+                sds((n, c), i32),
+                sds((), i32),
+                sds((n,), i32),
+                span=span,
+                backend=eng.backend,
+            )
         _, n = key
         st = jax.eval_shape(lambda: SamplingTensors.build_default(n))
-        return admit_finish.lower(eng.graphdef, self._params_spec, s.prop, dparams, self._batch_spec, sds((n,), i32), st, sds((n,), i32),
-                                  sds((n, s.num_stop), i32), sds((n,), bool), sds((n, eng.cfg.vocab_size), bool), span=s.max_len,
-                                  backend=eng.backend)
+        return admit_finish.lower(
+            eng.graphdef,
+            self._params_spec,
+            s.prop,
+            dparams,
+            self._batch_spec,
+            sds((n,), i32),
+            st,
+            sds((n,), i32),
+            sds((n, s.num_stop), i32),
+            sds((n,), bool),
+            sds((n, eng.cfg.vocab_size), bool),
+            span=s.max_len,
+            backend=eng.backend,
+        )
 
     def compile(self, key: tuple) -> Any:
         tbl = self._table()
@@ -187,10 +241,6 @@ class Programs:
 
     def compile_startup(self, max_bs: int, progress: bool = True) -> int:
         """Compiles and exercises the cover set (before the scheduler thread starts)."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        from tqdm.auto import tqdm
-
         keys = self.startup_keys(max_bs)
         bar = tqdm(total=len(keys), unit="program", disable=not progress, desc="compiling start-up programs")
         # XLA compiles one program on one core (and releases the GIL): compile as many at once as there are cores
@@ -210,27 +260,48 @@ class Programs:
         i32 = jnp.int32
 
         def params(n):  # row 0 samples (the sampler's draw path), the rest are greedy
-            from jaxspec.sampling import SamplingParams
-
-            return SamplingTensors.build([SamplingParams(temperature=1.0)] + [SamplingParams(temperature=0.0)] * (n - 1), [0] * n)
+            return SamplingTensors.build(
+                [SamplingParams(temperature=1.0)] + [SamplingParams(temperature=0.0)] * (n - 1), [0] * n
+            )
 
         if key[0] == "chunk":
             _, n, c, span = key
             start = max(min(span, s.max_len) - c, 0)
-            s.batch = prog(eng.params, eng.dparams, s.batch, jnp.arange(n, dtype=i32), jnp.zeros((n, c), i32), jnp.zeros((n, c), i32),
-                           jnp.int32(start), jnp.full((n,), start + c, i32))
+            s.batch = prog(
+                eng.params,
+                eng.dparams,
+                s.batch,
+                jnp.arange(n, dtype=i32),
+                jnp.zeros((n, c), i32),
+                jnp.zeros((n, c), i32),
+                jnp.int32(start),
+                jnp.full((n,), start + c, i32),
+            )
         elif key[0] == "finish":
             _, n = key
-            s.batch, _ = prog(eng.params, eng.dparams, s.batch, jnp.arange(n, dtype=i32), params(n), jnp.full((n,), 2, i32),
-                              jnp.full((n, s.num_stop), -1, i32), jnp.zeros((n,), bool), jnp.zeros((n, eng.cfg.vocab_size), bool))
+            s.batch, _ = prog(
+                eng.params,
+                eng.dparams,
+                s.batch,
+                jnp.arange(n, dtype=i32),
+                params(n),
+                jnp.full((n,), 2, i32),
+                jnp.full((n, s.num_stop), -1, i32),
+                jnp.zeros((n,), bool),
+                jnp.zeros((n, eng.cfg.vocab_size), bool),
+            )
         else:  # slots [0, n_act) decode k rounds from one committed column, with no stop in sight
             _, n, _span = key
             b = s.batch
             fresh = lambda x: dataclasses.replace(x, lengths=x.lengths.at[:n].set(1)) if isinstance(x, KVCache) else x
             core = jax.tree_util.tree_map(fresh, b.core, is_leaf=lambda x: isinstance(x, KVCache))
-            core = dataclasses.replace(core, done=core.done.at[:n].set(False), num_out=core.num_out.at[:n].set(1), base=core.base.at[:n].set(1))
+            core = dataclasses.replace(
+                core, done=core.done.at[:n].set(False), num_out=core.num_out.at[:n].set(1), base=core.base.at[:n].set(1)
+            )
             st = jax.tree_util.tree_map(lambda full, part: full.at[:n].set(part), b.st, params(n))
-            b = dataclasses.replace(b, core=core, st=st, max_new=b.max_new.at[:n].set(1 << 20), stop_ids=b.stop_ids.at[:n].set(-1))
+            b = dataclasses.replace(
+                b, core=core, st=st, max_new=b.max_new.at[:n].set(1 << 20), stop_ids=b.stop_ids.at[:n].set(-1)
+            )
             s.batch, _ = prog(eng.params, eng.dparams, b.placed(jax.device_put), jnp.zeros((s.slots,), bool))
         jax.block_until_ready(s.batch)
 

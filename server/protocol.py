@@ -80,11 +80,21 @@ class _OpenAICommon(_Body):
         return self
 
     def sampling(self, default_max: int | None) -> SamplingParams:
-        d = dict(max_new_tokens=self.max_tokens if self.max_tokens is not None else default_max,
-                 temperature=1.0 if self.temperature is None else self.temperature, top_p=self.top_p, top_k=self.top_k,
-                 min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                 frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-                 repetition_penalty=self.repetition_penalty, ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens)
+        d = dict(
+            max_new_tokens=self.max_tokens if self.max_tokens is not None else default_max,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+        )
         if d["top_k"] == 0:
             d["top_k"] = -1  # some clients send 0 for "off"
         return SamplingParams.from_dict(d)
@@ -146,7 +156,9 @@ class ChatCompletionRequest(_OpenAICommon):
         if self.logprobs or self.top_logprobs:
             raise _unsupported("logprobs", "logprobs / top_logprobs")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise _unsupported("response_format", f"response_format {self.response_format.get('type')!r} (structured output)")
+            raise _unsupported(
+                "response_format", f"response_format {self.response_format.get('type')!r} (structured output)"
+            )
         if self.tools or self.functions:
             raise _unsupported("tools", "tools / function calling")
         if self.tool_choice not in (None, "none", "auto") or self.function_call not in (None, "none", "auto"):
@@ -202,8 +214,13 @@ class CompletionRequest(_OpenAICommon):
 
 SamplingParamsDict = Annotated[
     dict[str, Any],
-    WithJsonSchema({"type": "object", "description": "SGLang's sampling parameters (SamplingParams; aliases: max_tokens, "
-                    "sampling_seed; n must be 1)"}),
+    WithJsonSchema(
+        {
+            "type": "object",
+            "description": "SGLang's sampling parameters (SamplingParams; aliases: max_tokens, "
+            "sampling_seed; n must be 1)",
+        }
+    ),
 ]
 
 

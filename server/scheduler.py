@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -73,7 +74,9 @@ class Request:
     decoding: bool = False  # prefilled: its slot takes part in dispatches
     known: int = 0  # tokens (prompt + output) whose results the host has processed
     inflight: int = 0  # dispatches enqueued for this request whose results are not processed yet
-    _stops: list[int] = dataclasses.field(default_factory=list)  # stop token ids (EOS, stop_token_ids, 1-token stop strings)
+    _stops: list[int] = dataclasses.field(
+        default_factory=list
+    )  # stop token ids (EOS, stop_token_ids, 1-token stop strings)
 
     @property
     def text(self) -> str:
@@ -129,7 +132,9 @@ class Stats:
     generation_tokens: int = 0
     spec_tokens: int = 0  # tokens of finished speculative requests
     spec_verify_ct: int = 0  # their rounds
-    recent: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=4096))  # (time, new tokens)
+    recent: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=4096)
+    )  # (time, new tokens)
 
     def tokens_per_s(self, window: float = 10.0) -> float:
         now = time.perf_counter()
@@ -138,8 +143,16 @@ class Stats:
 
 
 class Scheduler:
-    def __init__(self, eng: Engine, max_running_requests: int | None = None, mem_fraction_static: float = 0.8,
-                 max_queued_requests: int = 256, decode_steps: int | None = None, overlap: bool = True, min_span: int | None = None):
+    def __init__(
+        self,
+        eng: Engine,
+        max_running_requests: int | None = None,
+        mem_fraction_static: float = 0.8,
+        max_queued_requests: int = 256,
+        decode_steps: int | None = None,
+        overlap: bool = True,
+        min_span: int | None = None,
+    ):
         self.eng = eng
         self.spec = eng.spec if eng.spec.enabled else None
         self.prop = eng.proposer if self.spec else None
@@ -159,10 +172,13 @@ class Scheduler:
         self.overlap = overlap
         self.max_queued = max_queued_requests
         self.slots = self._plan_memory(max_running_requests, mem_fraction_static, gpu)
-        self.batch = SlotBatch.create(eng.cfg, self.prop, self.slots, self.max_len, self.window, self.num_stop, eng.dtype, steps,
-                                      eng.kv_sharding)
+        self.batch = SlotBatch.create(
+            eng.cfg, self.prop, self.slots, self.max_len, self.window, self.num_stop, eng.dtype, steps, eng.kv_sharding
+        )
         self.busy: dict[int, Request] = {}  # slot -> request (prefilling or decoding)
-        self._prefilling: collections.deque[PrefillGroup] = collections.deque()  # admission groups with prompt chunks left
+        self._prefilling: collections.deque[PrefillGroup] = (
+            collections.deque()
+        )  # admission groups with prompt chunks left
         self.waiting: collections.deque[Request] = collections.deque()
         self.stats = Stats()
         self.lock = threading.Lock()  # waiting, busy, stats, cancellations
@@ -184,8 +200,14 @@ class Scheduler:
         eng, steps = self.eng, self.spec.num_steps if self.spec else 0
         plan = plan_slots(
             lambda: SlotBatch.create(eng.cfg, self.prop, 1, self.max_len, self.window, self.num_stop, eng.dtype, steps),
-            lambda one: (one.core.cache.k, one.core.cache.v), (eng.params, eng.dparams if self.spec else None), eng.tp_size,
-            self.context_length, requested, fraction, gpu)
+            lambda one: (one.core.cache.k, one.core.cache.v),
+            (eng.params, eng.dparams if self.spec else None),
+            eng.tp_size,
+            self.context_length,
+            requested,
+            fraction,
+            gpu,
+        )
         self.memory_plan: MemoryPlan = plan
         return plan.slots
 
@@ -193,7 +215,9 @@ class Scheduler:
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         vocab = self.eng.cfg.vocab_size
-        check_prompt(ids, self.context_length, vocab, hint="; shorten the prompt or restart with a larger --context-length")
+        check_prompt(
+            ids, self.context_length, vocab, hint="; shorten the prompt or restart with a larger --context-length"
+        )
         params.validate()
         check_stop_token_ids(params, vocab)
 
@@ -281,7 +305,9 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self.lock:
-                while not self._stop and not self.waiting and not self.busy and not self._pending and not self._prefilling:
+                while (
+                    not self._stop and not self.waiting and not self.busy and not self._pending and not self._prefilling
+                ):
                     if self.programs.fresh:
                         break
                     self.wake.wait(0.5)
@@ -367,8 +393,17 @@ class Scheduler:
                 self._pending.clear()
             self.batch = None
             steps = self.spec.num_steps if self.spec else 0
-            self.batch = SlotBatch.create(self.eng.cfg, self.prop, self.slots, self.max_len, self.window, self.num_stop,
-                                          self.eng.dtype, steps, self.eng.kv_sharding)
+            self.batch = SlotBatch.create(
+                self.eng.cfg,
+                self.prop,
+                self.slots,
+                self.max_len,
+                self.window,
+                self.num_stop,
+                self.eng.dtype,
+                steps,
+                self.eng.kv_sharding,
+            )
             with self.lock:
                 self.stats.recoveries += 1
             self.last_recovery = why
@@ -457,8 +492,16 @@ class Scheduler:
         rows = jnp.asarray([r.slot for r in g.reqs], jnp.int32)
         sl = slice(c * chunk, (c + 1) * chunk)
         prog = self.programs.get(g.keys[c])
-        self.batch = prog(eng.params, eng.dparams, self.batch, rows, jnp.asarray(g.prompt[:, sl]), jnp.asarray(g.dprompt[:, sl]),
-                          jnp.int32(c * chunk), jnp.asarray([len(r.ids) for r in g.reqs], jnp.int32))
+        self.batch = prog(
+            eng.params,
+            eng.dparams,
+            self.batch,
+            rows,
+            jnp.asarray(g.prompt[:, sl]),
+            jnp.asarray(g.dprompt[:, sl]),
+            jnp.int32(c * chunk),
+            jnp.asarray([len(r.ids) for r in g.reqs], jnp.int32),
+        )
         g.next += 1
 
     def _finish_admission(self, reqs: list[Request]) -> None:
@@ -473,8 +516,17 @@ class Scheduler:
             stops[i, : len(r._stops)] = r._stops
             seen[i, r.ids] = True
         prog = self.programs.get(("finish", n))
-        self.batch, first = prog(eng.params, eng.dparams, self.batch, rows, st, jnp.asarray([r.max_new for r in reqs], jnp.int32),
-                                 jnp.asarray(stops), jnp.asarray([not r.speculative for r in reqs]), jnp.asarray(seen))
+        self.batch, first = prog(
+            eng.params,
+            eng.dparams,
+            self.batch,
+            rows,
+            st,
+            jnp.asarray([r.max_new for r in reqs], jnp.int32),
+            jnp.asarray(stops),
+            jnp.asarray([not r.speculative for r in reqs]),
+            jnp.asarray(seen),
+        )
         with self.lock:
             for r in reqs:
                 r.known, r.inflight = len(r.ids) + 1, 0
@@ -518,7 +570,11 @@ class Scheduler:
             now = time.perf_counter()
             for r, t in zip(who, first):
                 r.t_first = now
-                self._guarded("streaming", [r], lambda: self._advance(r, [int(t)], done_code=None, verify_ct=0, hist=None, first=True))  # noqa: B023
+                self._guarded(
+                    "streaming",
+                    [r],
+                    functools.partial(self._advance, r, [int(t)], done_code=None, verify_ct=0, hist=None, first=True),
+                )
             new = len(who)
         else:
             out, count, done, finish, vct, hist = jax.device_get(item.out)
@@ -527,7 +583,11 @@ class Scheduler:
                 toks = [int(t) for t in out[s, : count[s]]]
                 r.inflight -= 1
                 h = hist[s] if self.spec else None
-                self._guarded("streaming", [r], lambda: self._advance(r, toks, done_code=code, verify_ct=int(vct[s]), hist=h))  # noqa: B023
+                self._guarded(
+                    "streaming",
+                    [r],
+                    functools.partial(self._advance, r, toks, done_code=code, verify_ct=int(vct[s]), hist=h),
+                )
             new = int(sum(count[s] for s in item.slots))
         with self.lock:
             self.stats.recent.append((time.perf_counter(), new))
@@ -561,7 +621,9 @@ class Scheduler:
         if reason is not None:
             with self.lock:
                 if self.busy.get(r.slot) is r:
-                    del self.busy[r.slot]  # a stop-string finish may still run on the device: the next dispatch stops it
+                    del self.busy[
+                        r.slot
+                    ]  # a stop-string finish may still run on the device: the next dispatch stops it
                 self._finish(r, reason)
 
     def _detok(self, r: Request, final: bool) -> tuple[str, dict | None]:
@@ -570,8 +632,9 @@ class Scheduler:
         tok = self.eng.tokenizer
         if tok is None:
             return "", None
-        delta, r.out_ids, hit = detokenize(tok, self.tok_lock, r.detok, r.out_ids, r.params.stop_strings,
-                                           r.params.skip_special_tokens, final)
+        delta, r.out_ids, hit = detokenize(
+            tok, self.tok_lock, r.detok, r.out_ids, r.params.stop_strings, r.params.skip_special_tokens, final
+        )
         return delta, hit
 
     def _finish(self, r: Request, reason: dict) -> None:
@@ -592,9 +655,18 @@ class Scheduler:
 
     def result(self, r: Request, reason: dict) -> dict[str, Any]:
         spec = bool(self.spec and r.speculative)
-        return make_result(r.rid, r.text, r.out_ids, len(r.ids), reason, time.perf_counter() - r.t_arrival,
-                           r.verify_ct if spec else len(r.out_ids), r.hist if spec else None,
-                           ttft=None if r.t_first is None else r.t_first - r.t_arrival, speculative=spec)
+        return make_result(
+            r.rid,
+            r.text,
+            r.out_ids,
+            len(r.ids),
+            reason,
+            time.perf_counter() - r.t_arrival,
+            r.verify_ct if spec else len(r.out_ids),
+            r.hist if spec else None,
+            ttft=None if r.t_first is None else r.t_first - r.t_arrival,
+            speculative=spec,
+        )
 
     @property
     def avg_spec_accept_length(self) -> float | None:
@@ -609,7 +681,11 @@ def warmup(sched: Scheduler, max_bs: int, progress: bool = True, background: boo
     n = sched.programs.compile_startup(max_bs, progress=progress)
     sched.programs.lazy = False
     # one short request through the whole path, so that the first client's does not set up the host side
-    r = Request(ids=[1] * 4, params=SamplingParams(max_new_tokens=2 * sched.k + 2, temperature=0.0, ignore_eos=True), emit=lambda e: None)
+    r = Request(
+        ids=[1] * 4,
+        params=SamplingParams(max_new_tokens=2 * sched.k + 2, temperature=0.0, ignore_eos=True),
+        emit=lambda e: None,
+    )
     sched.submit(r)
     sched.run_until_idle()
     with sched.lock:  # warm-up requests do not count

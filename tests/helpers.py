@@ -26,15 +26,41 @@ import pytest
 
 # ---- tiny random models -------------------------------------------------------------------------
 
-TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+TINY = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 # family -> (transformers config class name, model class name, extra config kwargs)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0)),
-    "llama_tied_bias": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, attention_bias=True, num_key_value_heads=1)),
-    "llama31": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=500000.0, rope_scaling=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16))),
+    "llama_tied_bias": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(tie_word_embeddings=True, attention_bias=True, num_key_value_heads=1),
+    ),
+    "llama31": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6, head_dim=16)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
 }
@@ -70,7 +96,15 @@ def tiny_model(family="llama", seed=0, **overrides):
     return load_model(cfg, sd.keys(), sd.__getitem__, progress=False), m
 
 
-def save_eagle_head(path, kind: str, target_hf_config: dict, seed: int = 0, draft_vocab: int | None = None, scale: float = 1.0, aux_layer_ids=None):
+def save_eagle_head(
+    path,
+    kind: str,
+    target_hf_config: dict,
+    seed: int = 0,
+    draft_vocab: int | None = None,
+    scale: float = 1.0,
+    aux_layer_ids=None,
+):
     """Writes a random EAGLE ("EAGLE") or EAGLE-3 ("EAGLE3") head in the public checkpoint layout."""
     import json
     import os
@@ -83,10 +117,23 @@ def save_eagle_head(path, kind: str, target_hf_config: dict, seed: int = 0, draf
     from jaxspec.models.params import module_tensors
 
     arch = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}[kind]
-    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
-            "max_position_embeddings", "rope_theta", "bos_token_id", "eos_token_id", "head_dim")
+    keep = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "rope_theta",
+        "bos_token_id",
+        "eos_token_id",
+        "head_dim",
+    )
     cfg = {k: target_hf_config[k] for k in keep if target_hf_config.get(k) is not None}
-    cfg.update(architectures=[arch], model_type="llama", num_hidden_layers=1, hidden_act="silu", tie_word_embeddings=False)
+    cfg.update(
+        architectures=[arch], model_type="llama", num_hidden_layers=1, hidden_act="silu", tie_word_embeddings=False
+    )
     if kind == "EAGLE3":
         cfg["draft_vocab_size"] = draft_vocab or cfg["vocab_size"]
         if aux_layer_ids is not None:
@@ -104,7 +151,10 @@ def save_eagle_head(path, kind: str, target_hf_config: dict, seed: int = 0, draf
         t["d2t"] = (ids - np.arange(dv)).astype(np.int64)
         t["t2d"] = np.isin(np.arange(v), ids)
     os.makedirs(path, exist_ok=True)
-    save_file({("model." + k if k.startswith("layers") else k): v for k, v in t.items()}, os.path.join(path, "model.safetensors"))
+    save_file(
+        {("model." + k if k.startswith("layers") else k): v for k, v in t.items()},
+        os.path.join(path, "model.safetensors"),
+    )
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return str(path)
@@ -130,7 +180,9 @@ def models(tmp_path_factory):
         "small": str(d / "small"),
         "sharp": str(d / "sharp"),
         "eagle": save_eagle_head(d / "eagle", "EAGLE", cfg, seed=1, scale=10.0),
-        "eagle3": save_eagle_head(d / "eagle3", "EAGLE3", cfg, seed=2, draft_vocab=12, scale=10.0, aux_layer_ids=[0, 1, 2]),
+        "eagle3": save_eagle_head(
+            d / "eagle3", "EAGLE3", cfg, seed=2, draft_vocab=12, scale=10.0, aux_layer_ids=[0, 1, 2]
+        ),
         "hf": tgt,
     }
 
@@ -142,7 +194,9 @@ def engine(models, algo=None, draft=None, knobs=None, target="target", **kw):
     if algo:
         spec = dict(speculative_algorithm=algo, speculative_draft_model_path=models[draft])
         if knobs:
-            spec.update(speculative_num_steps=knobs[0], speculative_eagle_topk=knobs[1], speculative_num_draft_tokens=knobs[2])
+            spec.update(
+                speculative_num_steps=knobs[0], speculative_eagle_topk=knobs[1], speculative_num_draft_tokens=knobs[2]
+            )
     return Engine(models[target], skip_tokenizer_init=True, show_progress=False, chunked_prefill_size=4, **spec, **kw)
 
 
@@ -166,7 +220,10 @@ def exact_pair_distribution(hf, prompt, temperature):
 
 def sample_pairs(eng, prompt, n, temperature):
     seeds = np.arange(n)
-    out = eng.generate(input_ids=[prompt] * n, sampling_params=[dict(temperature=temperature, max_new_tokens=3, ignore_eos=True, seed=int(s)) for s in seeds])
+    out = eng.generate(
+        input_ids=[prompt] * n,
+        sampling_params=[dict(temperature=temperature, max_new_tokens=3, ignore_eos=True, seed=int(s)) for s in seeds],
+    )
     counts = np.zeros((V, V))
     for r in out:
         counts[r["output_ids"][1], r["output_ids"][2]] += 1
@@ -227,8 +284,13 @@ def model_dirs(tmp_path_factory):
 
     tok = AutoTokenizer.from_pretrained(default_model_path(progress=False))
     d = tmp_path_factory.mktemp("serve")
-    kw = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, initializer_range=0.2,
-              max_position_embeddings=512)
+    kw = dict(
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        initializer_range=0.2,
+        max_position_embeddings=512,
+    )
     for name, seed, layers in (("target", 3, 2), ("draft", 4, 1)):
         make_hf_model("llama", seed, num_hidden_layers=layers, **kw).save_pretrained(d / name)
         tok.save_pretrained(d / name)
@@ -288,7 +350,17 @@ def start(model_dirs, **flags):
     from jaxspec.cli import build_parser
     from server.launch import build
 
-    argv = ["serve", "--model-path", model_dirs["target"], "--api-key", KEY, "--context-length", "256", "--log-level", "error"]
+    argv = [
+        "serve",
+        "--model-path",
+        model_dirs["target"],
+        "--api-key",
+        KEY,
+        "--context-length",
+        "256",
+        "--log-level",
+        "error",
+    ]
     if not flags.pop("background_compile", False):  # spare the 2 test cores
         argv.append("--disable-background-compile")
     for k, v in flags.items():
@@ -302,8 +374,13 @@ def serve_subprocess(flags: list[str]) -> tuple[subprocess.Popen, int]:
     (the process, with stdout and stderr merged into p.stdout; its port)."""
     port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    p = subprocess.Popen([sys.executable, "-m", "jaxspec.cli", "serve", "--port", str(port)] + flags,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "jaxspec.cli", "serve", "--port", str(port)] + flags,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+    )
     t = time.time()
     while True:
         if p.poll() is not None:

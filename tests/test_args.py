@@ -44,10 +44,30 @@ SGLANG_SPECULATIVE = {
 }
 # SGLang's names for the model and server flags jaxspec shares (defaults may differ: jaxspec's are sized
 # for its own engine; tp_size and max_running_requests are asserted)
-SGLANG_SERVER = ("host", "port", "api_key", "served_model_name", "mem_fraction_static", "max_queued_requests",
-                 "num_continuous_decode_steps", "disable_overlap_schedule", "cuda_graph_max_bs", "disable_cuda_graph")
-SGLANG_MODEL = ("model_path", "tokenizer_path", "context_length", "max_running_requests", "chunked_prefill_size",
-                "attention_backend", "random_seed", "tp_size", "dtype", "log_level")
+SGLANG_SERVER = (
+    "host",
+    "port",
+    "api_key",
+    "served_model_name",
+    "mem_fraction_static",
+    "max_queued_requests",
+    "num_continuous_decode_steps",
+    "disable_overlap_schedule",
+    "cuda_graph_max_bs",
+    "disable_cuda_graph",
+)
+SGLANG_MODEL = (
+    "model_path",
+    "tokenizer_path",
+    "context_length",
+    "max_running_requests",
+    "chunked_prefill_size",
+    "attention_backend",
+    "random_seed",
+    "tp_size",
+    "dtype",
+    "log_level",
+)
 
 
 def _help(command: str) -> str:
@@ -93,8 +113,19 @@ def test_sglang_names_and_defaults():
 
 def test_parsed_flags_reach_the_dataclasses():
     args = build_parser().parse_args(
-        ["serve", "--port", "31000", "--speculative-algorithm", "NGRAM", "--speculative-ngram-capacity", "77",
-         "--max-running-requests", "3", "--disable-overlap-schedule"])
+        [
+            "serve",
+            "--port",
+            "31000",
+            "--speculative-algorithm",
+            "NGRAM",
+            "--speculative-ngram-capacity",
+            "77",
+            "--max-running-requests",
+            "3",
+            "--disable-overlap-schedule",
+        ]
+    )
     from jaxspec.args import from_namespace
 
     e = from_namespace(EngineArgs, args)
@@ -112,22 +143,31 @@ def test_engine_kwargs_are_the_flags():
     assert e.algorithm == "EAGLE3" and e.context_length == 64
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(speculative_algorithm="MAGIC"), "unknown speculative_algorithm"),
-    (dict(speculative_algorithm="EAGLE", speculative_num_steps=3), "all three"),
-    (dict(speculative_algorithm="STANDALONE"), "needs speculative_draft_model_path"),
-    (dict(speculative_algorithm="NGRAM", speculative_ngram_match_type="DFS"), "BFS or PROB"),
-    (dict(speculative_algorithm="EAGLE3", speculative_accept_threshold_single=0.0), r"\(0, 1\]"),
-    (dict(chunked_prefill_size=0), "chunked_prefill_size"),
-    (dict(max_running_requests=0), "max_running_requests"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(speculative_algorithm="MAGIC"), "unknown speculative_algorithm"),
+        (dict(speculative_algorithm="EAGLE", speculative_num_steps=3), "all three"),
+        (dict(speculative_algorithm="STANDALONE"), "needs speculative_draft_model_path"),
+        (dict(speculative_algorithm="NGRAM", speculative_ngram_match_type="DFS"), "BFS or PROB"),
+        (dict(speculative_algorithm="EAGLE3", speculative_accept_threshold_single=0.0), r"\(0, 1\]"),
+        (dict(chunked_prefill_size=0), "chunked_prefill_size"),
+        (dict(max_running_requests=0), "max_running_requests"),
+    ],
+)
 def test_flags_are_checked_before_loading(kw, match):
     with pytest.raises(JaxspecError, match=match):
         EngineArgs(**kw).validate()
 
 
-@pytest.mark.parametrize("kw,match", [(dict(port=0), "--port"), (dict(mem_fraction_static=1.5), "mem-fraction-static"),
-                                      (dict(num_continuous_decode_steps=0), "num-continuous-decode-steps")])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(port=0), "--port"),
+        (dict(mem_fraction_static=1.5), "mem-fraction-static"),
+        (dict(num_continuous_decode_steps=0), "num-continuous-decode-steps"),
+    ],
+)
 def test_server_flags_are_checked(kw, match):
     with pytest.raises(JaxspecError, match=match):
         ServerArgs(**kw).validate()

@@ -13,8 +13,18 @@ from jaxspec.errors import JaxspecError
 
 from helpers import resolve_spec
 
-SMOL = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                   num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5)
+SMOL = ModelConfig(
+    model_type="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=1e5,
+)
 
 
 def test_shipped_draft_is_present_and_small():
@@ -24,7 +34,9 @@ def test_shipped_draft_is_present_and_small():
         size = sum(f.stat().st_size for f in __import__("pathlib").Path(path).iterdir())
         assert size <= 32 * 2**20, f"{path} is {size / 2**20:.1f} MiB"
         cfg = json.load(open(f"{path}/config.json"))
-        assert cfg["architectures"] == [{"EAGLE3": "LlamaForCausalLMEagle3", "EAGLE": "LlamaForCausalLMEagle"}[meta["algorithm"]]]
+        assert cfg["architectures"] == [
+            {"EAGLE3": "LlamaForCausalLMEagle3", "EAGLE": "LlamaForCausalLMEagle"}[meta["algorithm"]]
+        ]
     defaults = [m["algorithm"] for m in found.values() if m.get("default")]
     assert defaults == ["EAGLE3"], "exactly one default draft (the EAGLE-3 head) per target"
 
@@ -33,8 +45,12 @@ def test_matching_rule(tmp_path, monkeypatch):
     d = tmp_path / "smol-head"
     d.mkdir()
     (d / "model.safetensors").write_bytes(b"")
-    meta = {"target": "SmolLM2-135M-Instruct", "algorithm": "EAGLE3", "default": True,
-            "shape": {"hidden_size": 576, "num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "vocab_size": 49152}}
+    meta = {
+        "target": "SmolLM2-135M-Instruct",
+        "algorithm": "EAGLE3",
+        "default": True,
+        "shape": {"hidden_size": 576, "num_layers": 30, "num_heads": 9, "num_kv_heads": 3, "vocab_size": 49152},
+    }
     (d / "target.json").write_text(json.dumps(meta))
     e2 = tmp_path / "smol-eagle2"  # a second, non-default head of another algorithm
     e2.mkdir()
@@ -53,7 +69,10 @@ def test_matching_rule(tmp_path, monkeypatch):
     assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", SMOL, "EAGLE3") == ("EAGLE3", str(d), None)
     assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", SMOL, "STANDALONE") is None
     # tree shapes are per platform; a platform without one keeps the auto defaults
-    tree = {"cpu": {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}, "gpu": {"num_steps": 5, "eagle_topk": 4, "num_draft_tokens": 8}}
+    tree = {
+        "cpu": {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4},
+        "gpu": {"num_steps": 5, "eagle_topk": 4, "num_draft_tokens": 8},
+    }
     (d / "target.json").write_text(json.dumps({**meta, "tree": tree}))
     assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", SMOL, platform="cpu") == ("EAGLE3", str(d), (3, 1, 4))
     assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", SMOL, platform="gpu") == ("EAGLE3", str(d), (5, 4, 8))
@@ -64,7 +83,11 @@ def test_matching_rule(tmp_path, monkeypatch):
 def test_resolution_with_a_shipped_draft():
     b = ("EAGLE3", "/drafts/smol", None)
     s = resolve_spec(None, SMOL, bundled=b)
-    assert s.algorithm == "EAGLE3" and s.draft_model_path == "/drafts/smol" and (s.num_steps, s.eagle_topk, s.num_draft_tokens) == (5, 4, 8)
+    assert (
+        s.algorithm == "EAGLE3"
+        and s.draft_model_path == "/drafts/smol"
+        and (s.num_steps, s.eagle_topk, s.num_draft_tokens) == (5, 4, 8)
+    )
     assert not resolve_spec("NONE", SMOL, bundled=b).enabled
     assert resolve_spec("eagle3", SMOL, bundled=b).draft_model_path == "/drafts/smol"
     assert resolve_spec("EAGLE3", SMOL, draft_model_path="/mine", bundled=b).draft_model_path == "/mine"
@@ -87,7 +110,10 @@ def test_default_engine_speculates_with_the_shipped_draft_losslessly(default_eng
     eng = jaxspec.Engine(show_progress=False)
     assert eng.speculative_algorithm == "EAGLE3" and eng.spec.draft_model_path.startswith(drafts.HERE)
     assert default_engine.speculative_algorithm == "NONE"
-    msgs = [[{"role": "user", "content": p}] for p in ("What is the capital of France?", "List three colours.", "Explain gravity.")]
+    msgs = [
+        [{"role": "user", "content": p}]
+        for p in ("What is the capital of France?", "List three colours.", "Explain gravity.")
+    ]
     sp = {"temperature": 0, "max_new_tokens": 48}
     got = eng.chat(msgs, sp)
     assert [r["output_ids"] for r in got] == [r["output_ids"] for r in default_engine.chat(msgs, sp)]

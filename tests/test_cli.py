@@ -61,8 +61,20 @@ def test_serve_bad_flags_are_one_line():
 
 @pytest.mark.slow
 def test_bench_sweep(tmp_path):
-    r = run("bench", "--prompts", "1", "--max-new-tokens", "8", "--baseline", "--speculative-algorithm", "STANDALONE",
-            "--speculative-draft-model-path", "default", "--json", str(tmp_path / "rows.json"))
+    r = run(
+        "bench",
+        "--prompts",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--baseline",
+        "--speculative-algorithm",
+        "STANDALONE",
+        "--speculative-draft-model-path",
+        "default",
+        "--json",
+        str(tmp_path / "rows.json"),
+    )
     assert r.returncode == 0, r.stderr
     rows = json.load(open(tmp_path / "rows.json"))
     assert [x["algorithm"] for x in rows] == ["NONE", "STANDALONE"]
@@ -76,21 +88,62 @@ def test_bench_rejects_partial_knobs():
 
 @pytest.mark.slow
 def test_train_draft_cli(tmp_path):
-    chats = [{"messages": [{"role": "user", "content": f"Count to {i}."}, {"role": "assistant", "content": " ".join(map(str, range(1, i + 2)))}]}
-             for i in range(9)]
+    chats = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Count to {i}."},
+                {"role": "assistant", "content": " ".join(map(str, range(1, i + 2)))},
+            ]
+        }
+        for i in range(9)
+    ]
     data = tmp_path / "chats.jsonl"
     data.write_text("\n".join(json.dumps(c) for c in chats))
     out = tmp_path / "head"
-    r = run("train-draft", "--data", str(data), "--num-samples", "5", "--eval-samples", "1", "--steps", "3", "--batch-size", "2",
-            "--max-len", "64", "--draft-vocab-size", "256", "--ttt-steps", "2", "--save-every", "2", "--out", str(out),
-            "--mix-original", "3", "--mix-data", str(data))
+    r = run(
+        "train-draft",
+        "--data",
+        str(data),
+        "--num-samples",
+        "5",
+        "--eval-samples",
+        "1",
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--max-len",
+        "64",
+        "--draft-vocab-size",
+        "256",
+        "--ttt-steps",
+        "2",
+        "--save-every",
+        "2",
+        "--out",
+        str(out),
+        "--mix-original",
+        "3",
+        "--mix-data",
+        str(data),
+    )
     assert r.returncode == 0, r.stderr
     assert "8 training conversations" in r.stdout  # 5 + 1 read, 1 held out, 3 mixed in
     for f in ("config.json", "model.safetensors", "train_log.json", "loss.svg", "eval.json"):
         assert (out / f).exists(), f
     assert json.load(open(out / "config.json"))["architectures"] == ["LlamaForCausalLMEagle3"]
-    r = run("generate", "--prompt", "1 2 3", "--max-new-tokens", "4", "--json", "--speculative-algorithm", "EAGLE3",
-            "--speculative-draft-model-path", str(out))
+    r = run(
+        "generate",
+        "--prompt",
+        "1 2 3",
+        "--max-new-tokens",
+        "4",
+        "--json",
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["meta_info"]["spec_verify_ct"] >= 1
 

@@ -69,7 +69,12 @@ def test_default_checkpoint_equals_direct_gguf_load():
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)
     assert cfg.tie_word_embeddings and cfg.eos_token_ids == (2,)
     conv = open_source(default_model_path(progress=False))
-    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight", "model.embed_tokens.weight", "model.norm.weight"]:
+    for name in [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.7.self_attn.k_proj.weight",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+    ]:
         np.testing.assert_array_equal(conv.get(name), src.get(name))
 
 

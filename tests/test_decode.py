@@ -68,7 +68,14 @@ PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [4], [20, 30,
         dict(temperature=0.0, max_new_tokens=12, ignore_eos=True),
         dict(temperature=0.0, max_new_tokens=20),
         dict(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=12, ignore_eos=True),
-        dict(temperature=1.0, min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3, max_new_tokens=12),
+        dict(
+            temperature=1.0,
+            min_p=0.05,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            presence_penalty=0.3,
+            max_new_tokens=12,
+        ),
     ],
     ids=["greedy", "greedy_eos", "topk_topp", "penalties_minp"],
 )
@@ -90,7 +97,10 @@ def test_stop_conditions(model):
     assert free["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
     stop_tok = free["output_ids"][3]
     first = free["output_ids"].index(stop_tok)
-    r = eng.generate(input_ids=[5, 6, 7], sampling_params=dict(temperature=0, max_new_tokens=10, stop_token_ids=[stop_tok], ignore_eos=True))
+    r = eng.generate(
+        input_ids=[5, 6, 7],
+        sampling_params=dict(temperature=0, max_new_tokens=10, stop_token_ids=[stop_tok], ignore_eos=True),
+    )
     assert r["output_ids"] == free["output_ids"][: first + 1]
     assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
     z = eng.generate(input_ids=[5, 6, 7], sampling_params=dict(max_new_tokens=0))

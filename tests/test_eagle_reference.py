@@ -67,7 +67,7 @@ def rope(x, theta):
     ang = np.arange(t, dtype=np.float64)[:, None] * inv  # [T, D/2]
     cos = np.concatenate([np.cos(ang)] * 2, -1)[:, None, :]
     sin = np.concatenate([np.sin(ang)] * 2, -1)[:, None, :]
-    rot = np.concatenate([-x[..., d // 2:], x[..., : d // 2]], -1)
+    rot = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], -1)
     return x * cos + rot * sin
 
 
@@ -150,8 +150,10 @@ def public_weights(kind, tcfg, seed=0):
     hd = h // nh
     norm = lambda: (1 + 0.3 * rng.standard_normal(h)).astype(np.float32)
     if kind == "EAGLE":
-        w = {"fc.weight": (rng.standard_normal((h, 2 * h)) / np.sqrt(2 * h)).astype(np.float32),
-             "fc.bias": (0.1 * rng.standard_normal(h)).astype(np.float32)}
+        w = {
+            "fc.weight": (rng.standard_normal((h, 2 * h)) / np.sqrt(2 * h)).astype(np.float32),
+            "fc.bias": (0.1 * rng.standard_normal(h)).astype(np.float32),
+        }
         w.update(_layer_tensors(rng, "layers.0.", h, h, nh, nkv, hd, INTER))
         # some EAGLE-1 checkpoints carry an lm_head; SGLang skips it and uses the target's (this one differs)
         w["lm_head.weight"] = rng.standard_normal((v, h)).astype(np.float32)
@@ -173,17 +175,31 @@ def public_weights(kind, tcfg, seed=0):
 def write_head(path, kind, tcfg, w, prefix=""):
     """prefix "model." is put on every key but lm_head / d2t / t2d (the other layout seen in the wild)."""
     cfg = dict(
-        architectures=["LlamaForCausalLMEagle" if kind == "EAGLE" else "LlamaForCausalLMEagle3"], model_type="llama",
-        hidden_size=tcfg["hidden_size"], intermediate_size=INTER, num_attention_heads=tcfg["num_attention_heads"],
-        num_key_value_heads=tcfg["num_key_value_heads"], num_hidden_layers=1, hidden_act="silu", rms_norm_eps=EPS,
-        rope_theta=THETA, max_position_embeddings=2048, vocab_size=tcfg["vocab_size"], tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, torch_dtype="float32",
+        architectures=["LlamaForCausalLMEagle" if kind == "EAGLE" else "LlamaForCausalLMEagle3"],
+        model_type="llama",
+        hidden_size=tcfg["hidden_size"],
+        intermediate_size=INTER,
+        num_attention_heads=tcfg["num_attention_heads"],
+        num_key_value_heads=tcfg["num_key_value_heads"],
+        num_hidden_layers=1,
+        hidden_act="silu",
+        rms_norm_eps=EPS,
+        rope_theta=THETA,
+        max_position_embeddings=2048,
+        vocab_size=tcfg["vocab_size"],
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
     )
     if kind == "EAGLE3":
         cfg["draft_vocab_size"] = DRAFT_VOCAB
     os.makedirs(path, exist_ok=True)
     keep = ("lm_head.weight", "d2t", "t2d")
-    save_file({(k if k in keep else prefix + k): np.ascontiguousarray(a) for k, a in w.items()}, os.path.join(path, "model.safetensors"))
+    save_file(
+        {(k if k in keep else prefix + k): np.ascontiguousarray(a) for k, a in w.items()},
+        os.path.join(path, "model.safetensors"),
+    )
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return str(path)
@@ -196,8 +212,15 @@ def load_jaxspec(kind, target, path):
     """The user's path: an Engine with speculative_algorithm + speculative_draft_model_path."""
     from jaxspec.engine import Engine
 
-    eng = Engine.from_model(target, speculative_algorithm=kind, speculative_draft_model_path=path, show_progress=False,
-                            speculative_num_steps=2, speculative_eagle_topk=1, speculative_num_draft_tokens=3)
+    eng = Engine.from_model(
+        target,
+        speculative_algorithm=kind,
+        speculative_draft_model_path=path,
+        show_progress=False,
+        speculative_num_steps=2,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=3,
+    )
     return eng.proposer, eng.dparams
 
 
@@ -219,7 +242,12 @@ def jaxspec_target_features(prop, tgt, tokens):
     from jaxspec.cache import KVCache
 
     cache = KVCache.create(tgt.cfg, 1, 32, jnp.float32)
-    h, _, cap = tgt(jnp.asarray([tokens], jnp.int32), jnp.arange(len(tokens), dtype=jnp.int32)[None], cache, capture_layers=prop.capture_layers)
+    h, _, cap = tgt(
+        jnp.asarray([tokens], jnp.int32),
+        jnp.arange(len(tokens), dtype=jnp.int32)[None],
+        cache,
+        capture_layers=prop.capture_layers,
+    )
     f = prop.features(h, cap)
     return (None if cap is None else np.asarray(f[0])), np.asarray(h[0])
 
@@ -231,10 +259,19 @@ def proposer_round(prop, dparams, tgt, tokens, feats, next_token):
 
     h = tgt.cfg.hidden_size
     state = DraftState(prop.make_cache(1, 32, jnp.float32), jnp.zeros((1, prop.draft_vocab)), jnp.zeros((1, h)))
-    state = prop.extend(dparams, tgt, state, jnp.asarray(tokens, jnp.int32)[None], jnp.asarray(feats, jnp.float32)[None],
-                        jnp.asarray([len(tokens)], jnp.int32), jnp.asarray([True]))
+    state = prop.extend(
+        dparams,
+        tgt,
+        state,
+        jnp.asarray(tokens, jnp.int32)[None],
+        jnp.asarray(feats, jnp.float32)[None],
+        jnp.asarray([len(tokens)], jnp.int32),
+        jnp.asarray([True]),
+    )
     mask = jnp.ones((1, 1, 1), bool)
-    probs, _, _ = prop.step(dparams, tgt, state, jnp.asarray([[next_token]], jnp.int32), state.root_hidden[:, None], 1, mask, 0)
+    probs, _, _ = prop.step(
+        dparams, tgt, state, jnp.asarray([[next_token]], jnp.int32), state.root_hidden[:, None], 1, mask, 0
+    )
     return np.asarray(state.root_probs[0]), np.asarray(probs[0, 0])
 
 
@@ -281,7 +318,7 @@ def test_numpy_layer_matches_transformers(target1):
     c = hf.config
     tokens = list(np.random.default_rng(0).integers(0, c.vocab_size, T))
     hs = hf_hidden_states(hf, tokens)
-    sd = {k[len("model."):]: v.double().numpy() for k, v in hf.state_dict().items() if k.startswith("model.")}
+    sd = {k[len("model.") :]: v.double().numpy() for k, v in hf.state_dict().items() if k.startswith("model.")}
     theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta") or c.rope_theta
     out = llama_layer(hs[0], sd, "layers.0.", c.num_attention_heads, c.num_key_value_heads, theta, c.rms_norm_eps)
     assert rel_err(out, hs[1]) < TOL
@@ -327,7 +364,12 @@ def test_eagle1_matches_reference(target1, tmp_path, prefix):
 def test_eagle3_matches_reference(target3, tmp_path, prefix):
     tgt, hf = target3
     tcfg = hf.config.to_dict()
-    nh, nkv, v, n = tcfg["num_attention_heads"], tcfg["num_key_value_heads"], tcfg["vocab_size"], tcfg["num_hidden_layers"]
+    nh, nkv, v, n = (
+        tcfg["num_attention_heads"],
+        tcfg["num_key_value_heads"],
+        tcfg["vocab_size"],
+        tcfg["num_hidden_layers"],
+    )
     w = public_weights("EAGLE3", tcfg, seed=3)
     prop, dparams = load_jaxspec("EAGLE3", tgt, write_head(tmp_path / "eagle3", "EAGLE3", tcfg, w, prefix))
     assert prop.draft_vocab == DRAFT_VOCAB
@@ -385,14 +427,17 @@ def _swap_fc_halves(w, h):
 
 def _swap_eagle3_norms(w, h):
     w = dict(w)
-    w["midlayer.input_layernorm.weight"], w["midlayer.hidden_norm.weight"] = w["midlayer.hidden_norm.weight"], w["midlayer.input_layernorm.weight"]
+    w["midlayer.input_layernorm.weight"], w["midlayer.hidden_norm.weight"] = (
+        w["midlayer.hidden_norm.weight"],
+        w["midlayer.input_layernorm.weight"],
+    )
     return w
 
 
 def _permute_eagle3_features(w, h):
     w = dict(w)
     f = w["fc.weight"]
-    w["fc.weight"] = np.concatenate([f[:, 2 * h:], f[:, :h], f[:, h:2 * h]], 1)
+    w["fc.weight"] = np.concatenate([f[:, 2 * h :], f[:, :h], f[:, h : 2 * h]], 1)
     return w
 
 
@@ -404,12 +449,15 @@ def _swap_eagle3_qkv_halves(w, h):
     return w
 
 
-@pytest.mark.parametrize("kind,mutate", [
-    ("EAGLE", _swap_fc_halves),
-    ("EAGLE3", _swap_eagle3_norms),
-    ("EAGLE3", _permute_eagle3_features),
-    ("EAGLE3", _swap_eagle3_qkv_halves),
-])
+@pytest.mark.parametrize(
+    "kind,mutate",
+    [
+        ("EAGLE", _swap_fc_halves),
+        ("EAGLE3", _swap_eagle3_norms),
+        ("EAGLE3", _permute_eagle3_features),
+        ("EAGLE3", _swap_eagle3_qkv_halves),
+    ],
+)
 def test_mutated_checkpoint_is_detected(target1, target3, tmp_path, kind, mutate):
     """A checkpoint with a layout mistake loads fine but its logits are far from the reference."""
     tgt, hf = target1 if kind == "EAGLE" else target3
@@ -424,7 +472,9 @@ def test_mutated_checkpoint_is_detected(target1, target3, tmp_path, kind, mutate
     w64 = {k: (a if a.dtype.kind in "ib" else a.astype(np.float64)) for k, a in w.items()}  # the unmutated tensors
     head, lh, _ = jaxspec_forward(prop, dparams, tgt, tokens, feats)
     if kind == "EAGLE":
-        ref = lin(eagle1_reference(w64, emb[tokens], feats, nh, nkv, THETA), hf.lm_head.weight.detach().double().numpy())
+        ref = lin(
+            eagle1_reference(w64, emb[tokens], feats, nh, nkv, THETA), hf.lm_head.weight.detach().double().numpy()
+        )
         got = np.asarray(tgt.logits(lh))
     else:
         ref, _ = eagle3_reference(w64, emb[tokens], feats, nh, nkv, THETA)

@@ -14,7 +14,14 @@ def test_generate_single_and_batch(default_engine):
     one = default_engine.generate("The capital of France is", SP)
     assert set(one) == {"text", "output_ids", "meta_info"}
     m = one["meta_info"]
-    for k in ("prompt_tokens", "completion_tokens", "finish_reason", "e2e_latency", "spec_verify_ct", "spec_accept_length"):
+    for k in (
+        "prompt_tokens",
+        "completion_tokens",
+        "finish_reason",
+        "e2e_latency",
+        "spec_verify_ct",
+        "spec_accept_length",
+    ):
         assert k in m
     assert m["completion_tokens"] == len(one["output_ids"]) == m["spec_verify_ct"]
     assert m["spec_accept_length"] == 1.0
@@ -24,7 +31,9 @@ def test_generate_single_and_batch(default_engine):
 
 
 def test_chat(default_engine):
-    r = default_engine.chat([{"role": "user", "content": "What is the capital of France?"}], {"temperature": 0, "max_new_tokens": 32})
+    r = default_engine.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], {"temperature": 0, "max_new_tokens": 32}
+    )
     assert "Paris" in r["text"]
     assert r["meta_info"]["finish_reason"]["type"] == "stop"
     rs = default_engine.chat([[{"role": "user", "content": "hi"}], [{"role": "user", "content": "bye"}]], SP)

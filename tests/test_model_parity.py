@@ -22,6 +22,7 @@ def load_dir(path, dtype="float32"):
     src = open_source(path)
     return load_model(ModelConfig.from_hf(src.config), src.names, src.get, jnp_dtype(dtype), progress=False)
 
+
 TOL = 1e-4
 
 
@@ -62,7 +63,9 @@ def test_llama3_rope_scaling_changes_logits(hf_dirs):
     from jaxspec.config import ModelConfig, rope_inv_freq
 
     cfg = ModelConfig.from_hf(hf_dirs["llama31"][1].config.to_dict())
-    plain = ModelConfig.from_hf({**hf_dirs["llama31"][1].config.to_dict(), "rope_scaling": None, "rope_parameters": {"rope_theta": 500000.0}})
+    plain = ModelConfig.from_hf(
+        {**hf_dirs["llama31"][1].config.to_dict(), "rope_scaling": None, "rope_parameters": {"rope_theta": 500000.0}}
+    )
     assert cfg.rope_type == "llama3"
     assert not np.allclose(rope_inv_freq(cfg), rope_inv_freq(plain))
 

@@ -70,8 +70,13 @@ def test_mtp_from_the_target_checkpoint_is_lossless(models, name, knobs):
     _, plain = gen(models[f"{fam}-plain"])
     _, plain_mtp_ckpt = gen(models[name])  # the target loads from a checkpoint carrying MTP tensors
     assert [r["output_ids"] for r in plain_mtp_ckpt] == [r["output_ids"] for r in plain]
-    eng, out = gen(models[name], speculative_algorithm="NEXTN", speculative_num_steps=knobs[0], speculative_eagle_topk=knobs[1],
-                   speculative_num_draft_tokens=knobs[2])  # no draft path: the MTP module inside the target
+    eng, out = gen(
+        models[name],
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=knobs[0],
+        speculative_eagle_topk=knobs[1],
+        speculative_num_draft_tokens=knobs[2],
+    )  # no draft path: the MTP module inside the target
     assert eng.speculative_algorithm == "EAGLE" and eng.spec.draft_model_path == models[name]
     assert [r["output_ids"] for r in out] == [r["output_ids"] for r in plain]
     rounds = sum(r["meta_info"]["spec_verify_ct"] for r in out)
@@ -80,8 +85,14 @@ def test_mtp_from_the_target_checkpoint_is_lossless(models, name, knobs):
 
 def test_mtp_from_a_separate_checkpoint(models):
     _, plain = gen(models["llama-plain"])
-    eng, out = gen(models["llama-plain"], speculative_algorithm="EAGLE", speculative_draft_model_path=models["nextn-only"])
-    assert (eng.spec.num_steps, eng.spec.eagle_topk, eng.spec.num_draft_tokens) == (5, 4, 8)  # Llama-family auto defaults
+    eng, out = gen(
+        models["llama-plain"], speculative_algorithm="EAGLE", speculative_draft_model_path=models["nextn-only"]
+    )
+    assert (eng.spec.num_steps, eng.spec.eagle_topk, eng.spec.num_draft_tokens) == (
+        5,
+        4,
+        8,
+    )  # Llama-family auto defaults
     assert [r["output_ids"] for r in out] == [r["output_ids"] for r in plain]
 
 
@@ -93,8 +104,16 @@ def test_eagle_without_a_draft_or_mtp_module(models):
 def test_mtp_sampling_matches_target_distribution(models):
     prompt, temp, n = [3, 1, 4], 1.0, 4096
     probs = exact_pair_distribution(models["hf-llama"], prompt, temp)
-    eng = Engine(models["llama-NEXTN"], skip_tokenizer_init=True, show_progress=False, max_running_requests=512, speculative_algorithm="NEXTN",
-                 speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+    eng = Engine(
+        models["llama-NEXTN"],
+        skip_tokenizer_init=True,
+        show_progress=False,
+        max_running_requests=512,
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=3,
+        speculative_eagle_topk=2,
+        speculative_num_draft_tokens=6,
+    )
     assert chi2_pvalue(sample_pairs(eng, prompt, n, temp), probs) > 1e-3
 
 
@@ -112,22 +131,37 @@ def test_mtp_forward_matches_the_layout_formula(models, name, kind):
 
     cfg = json.loads(open(f"{models[name]}/config.json").read())
     prefix = f"model.layers.{cfg['num_hidden_layers']}." if kind == "NEXTN" else "model.mtp_layers.0."
-    t = {k[len(prefix):]: v for k, v in load_file(f"{models[name]}/model-mtp.safetensors").items()}
+    t = {k[len(prefix) :]: v for k, v in load_file(f"{models[name]}/model-mtp.safetensors").items()}
     mcfg = mtp_config(cfg)
     from jaxspec.models.params import load_module
 
-    head = load_module(lambda: build_mtp(kind, mcfg, jnp.float32, nnx.Rngs(0)), mtp_key(""), [k for k in t if "shared_head.head" not in k and k != "embed_tokens.weight"],
-                       t.__getitem__, progress=False)
+    head = load_module(
+        lambda: build_mtp(kind, mcfg, jnp.float32, nnx.Rngs(0)),
+        mtp_key(""),
+        [k for k in t if "shared_head.head" not in k and k != "embed_tokens.weight"],
+        t.__getitem__,
+        progress=False,
+    )
     rng = np.random.default_rng(0)
     h, e = rng.normal(size=(2, 1, 1, mcfg.hidden_size)).astype(np.float32)
     eps, g = mcfg.rms_norm_eps, mcfg.num_heads // mcfg.num_kv_heads
     for pos in (0, 2):
-        got, fed, _ = head(jnp.asarray(e), jnp.asarray(h), jnp.full((1, 1), pos, jnp.int32), KVCache.create(mcfg, 1, 4, jnp.float32))
+        got, fed, _ = head(
+            jnp.asarray(e), jnp.asarray(h), jnp.full((1, 1), pos, jnp.int32), KVCache.create(mcfg, 1, 4, jnp.float32)
+        )
         if kind == "NEXTN":
-            x = np.concatenate([_rms(e, t["enorm.weight"], eps), _rms(h, t["hnorm.weight"], eps)], -1) @ t["eh_proj.weight"].T
+            x = (
+                np.concatenate([_rms(e, t["enorm.weight"], eps), _rms(h, t["hnorm.weight"], eps)], -1)
+                @ t["eh_proj.weight"].T
+            )
         else:
             ee = e * 0 if pos == 0 else e
-            x = np.concatenate([_rms(h, t["hidden_layernorm.weight"], eps), _rms(ee, t["token_layernorm.weight"], eps)], -1) @ t["input_proj.weight"].T
+            x = (
+                np.concatenate(
+                    [_rms(h, t["hidden_layernorm.weight"], eps), _rms(ee, t["token_layernorm.weight"], eps)], -1
+                )
+                @ t["input_proj.weight"].T
+            )
         xn = _rms(x, t["input_layernorm.weight"], eps)
         v = xn @ t["self_attn.v_proj.weight"].T + t.get("self_attn.v_proj.bias", 0)
         v = np.repeat(v.reshape(1, 1, mcfg.num_kv_heads, mcfg.head_dim), g, axis=2).reshape(1, 1, -1)

@@ -82,16 +82,19 @@ def test_corpus_keeps_the_newest_tokens():
     assert len(d) == 64 and d[-10:].tolist() == c.buf.tolist() and (d[:-10] == SEP).all()
 
 
-@pytest.mark.parametrize("kw,msg", [
-    (dict(match_type="DFS"), "BFS or PROB"),
-    (dict(branch_length=1), "branch_length must be > 1"),
-    (dict(min_match_window_size=0), "min_match_window_size"),
-    (dict(min_match_window_size=5, max_match_window_size=4), "min_match_window_size"),
-    (dict(max_match_window_size=18), "branch_length"),
-    (dict(min_bfs_breadth=0), "min_bfs_breadth"),
-    (dict(min_bfs_breadth=4, max_bfs_breadth=3), "max_bfs_breadth"),
-    (dict(capacity=0), "capacity"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(match_type="DFS"), "BFS or PROB"),
+        (dict(branch_length=1), "branch_length must be > 1"),
+        (dict(min_match_window_size=0), "min_match_window_size"),
+        (dict(min_match_window_size=5, max_match_window_size=4), "min_match_window_size"),
+        (dict(max_match_window_size=18), "branch_length"),
+        (dict(min_bfs_breadth=0), "min_bfs_breadth"),
+        (dict(min_bfs_breadth=4, max_bfs_breadth=3), "max_bfs_breadth"),
+        (dict(capacity=0), "capacity"),
+    ],
+)
 def test_validation(kw, msg):
     with pytest.raises(JaxspecError, match=msg):
         ngram_config(**kw)
@@ -112,10 +115,24 @@ def test_resolution(monkeypatch):
 def ngram_engine(models, **kw):  # noqa: F811
     from jaxspec.engine import Engine
 
-    return Engine(models["target"], skip_tokenizer_init=True, show_progress=False, chunked_prefill_size=4, speculative_algorithm="NGRAM", **kw)
+    return Engine(
+        models["target"],
+        skip_tokenizer_init=True,
+        show_progress=False,
+        chunked_prefill_size=4,
+        speculative_algorithm="NGRAM",
+        **kw,
+    )
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(speculative_ngram_match_type="PROB"), dict(speculative_num_draft_tokens=4, speculative_ngram_max_bfs_breadth=2)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(speculative_ngram_match_type="PROB"),
+        dict(speculative_num_draft_tokens=4, speculative_ngram_max_bfs_breadth=2),
+    ],
+)
 def test_greedy_identical_to_plain(models, plain, kw):  # noqa: F811
     eng = ngram_engine(models, **kw)
     long = dict(GREEDY, max_new_tokens=48)
@@ -123,7 +140,9 @@ def test_greedy_identical_to_plain(models, plain, kw):  # noqa: F811
     ref = engine(models).generate(input_ids=PROMPTS, sampling_params=long)
     assert [r["output_ids"] for r in out] == [r["output_ids"] for r in ref]
     rounds = sum(r["meta_info"]["spec_verify_ct"] for r in out)
-    assert rounds < sum(len(r["output_ids"]) for r in out) - len(out)  # a tiny random model repeats itself: matches get accepted
+    assert rounds < sum(len(r["output_ids"]) for r in out) - len(
+        out
+    )  # a tiny random model repeats itself: matches get accepted
     # the second call also matches against the first call's text (the shared corpus)
     again = eng.generate(input_ids=PROMPTS, sampling_params=long)
     assert [r["output_ids"] for r in again] == [r["output_ids"] for r in ref]
@@ -134,7 +153,9 @@ def test_sampling_matches_target_distribution(models):  # noqa: F811
     prompt, temp, n = [3, 1, 4], 1.0, 4096
     probs = exact_pair_distribution(models["hf"], prompt, temp)
     eng = ngram_engine(models, max_running_requests=512, speculative_num_draft_tokens=6)
-    eng.generate(input_ids=[[3, 1, 4, 1, 3, 1, 4, 2, 3, 1, 4, 5]] * 4, sampling_params=dict(GREEDY, max_new_tokens=8))  # seed the corpus
+    eng.generate(
+        input_ids=[[3, 1, 4, 1, 3, 1, 4, 2, 3, 1, 4, 5]] * 4, sampling_params=dict(GREEDY, max_new_tokens=8)
+    )  # seed the corpus
     assert chi2_pvalue(sample_pairs(eng, prompt, n, temp), probs) > 1e-3
 
 
@@ -143,5 +164,8 @@ def test_force_greedy_verify(models):  # noqa: F811
     every token is the target's argmax, i.e. the greedy continuation of prompt + first token."""
     eng = ngram_engine(models, speculative_ngram_force_greedy_verify=True)
     out = eng.generate(input_ids=PROMPTS, sampling_params=dict(GREEDY, temperature=1.0, seed=3))
-    ref = engine(models).generate(input_ids=[p + r["output_ids"][:1] for p, r in zip(PROMPTS, out)], sampling_params=dict(GREEDY, max_new_tokens=23))
+    ref = engine(models).generate(
+        input_ids=[p + r["output_ids"][:1] for p, r in zip(PROMPTS, out)],
+        sampling_params=dict(GREEDY, max_new_tokens=23),
+    )
     assert [r["output_ids"][1:] for r in out] == [r["output_ids"] for r in ref]

@@ -27,7 +27,11 @@ print("REPORT " + _json.dumps({
 
 
 def _text(cell) -> str:
-    return "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream" and o.get("name") == "stdout")
+    return "".join(
+        o.get("text", "")
+        for o in cell.get("outputs", [])
+        if o.get("output_type") == "stream" and o.get("name") == "stdout"
+    )
 
 
 def _tagged(nb, tag):
@@ -59,13 +63,15 @@ def test_notebook_runs_end_to_end(monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell(REPORT))
-    client = NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}})
+    client = NotebookClient(
+        nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": os.path.dirname(NOTEBOOK)}}
+    )
     client.execute()  # raises CellExecutionError on any failing cell, including the notebook's asserts
 
     assert "LOSSLESS OK" in _text(_tagged(nb, "compare"))
     assert "CUSTOM PROPOSER LOSSLESS OK" in _text(_tagged(nb, "custom"))
     line = next(x for x in _text(nb.cells[-1]).splitlines() if x.startswith("REPORT "))
-    rep = json.loads(line[len("REPORT "):])
+    rep = json.loads(line[len("REPORT ") :])
 
     plain = rep["plain"]["ids"]
     assert len(plain) == 3 and all(len(x) > 8 for x in plain)

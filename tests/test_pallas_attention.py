@@ -26,7 +26,9 @@ TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rt
 
 def _qkv(seed, b, t, h, hkv, d, s, dtype):
     rng = np.random.default_rng(seed)
-    q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in ((b, t, h, d), (b, s, hkv, d), (b, s, hkv, d)))
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(shape), dtype) for shape in ((b, t, h, d), (b, s, hkv, d), (b, s, hkv, d))
+    )
     return rng, q, k, v
 
 
@@ -43,8 +45,16 @@ def _close(out, ref, dtype):
 
 
 # (N tree tokens, GQA ratio, dtype): every N, every ratio, both dtypes, without the full product.
-TREE_CASES = [(1, 1, jnp.float32), (4, 3, jnp.bfloat16), (8, 4, jnp.float32), (16, 8, jnp.bfloat16),
-              (32, 1, jnp.bfloat16), (64, 3, jnp.float32), (16, 4, jnp.bfloat16), (8, 8, jnp.float32)]
+TREE_CASES = [
+    (1, 1, jnp.float32),
+    (4, 3, jnp.bfloat16),
+    (8, 4, jnp.float32),
+    (16, 8, jnp.bfloat16),
+    (32, 1, jnp.bfloat16),
+    (64, 3, jnp.float32),
+    (16, 4, jnp.bfloat16),
+    (8, 8, jnp.float32),
+]
 
 
 @pytest.mark.parametrize("n,group,dtype", TREE_CASES, ids=[f"N{n}-G{g}-{jnp.dtype(d).name}" for n, g, d in TREE_CASES])
@@ -73,10 +83,16 @@ def test_pallas_decode_splits_and_sliding_window(splits):
     b, hkv, group, d, s = 2, 1, 4, 64, 1024
     _, q, k, v = _qkv(10 + splits, b, 1, hkv * group, hkv, d, s, jnp.float32)
     kv_len = jnp.asarray([1000, 37], jnp.int32)
-    _close(decode_attention(q[:, 0], k, v, kv_len, splits=splits, interpret=INTERPRET),
-           decode_attention_reference(q[:, 0], k, v, kv_len), jnp.float32)
-    _close(decode_attention(q[:, 0], k, v, kv_len, sliding_window=100, splits=splits, interpret=INTERPRET),
-           decode_attention_reference(q[:, 0], k, v, kv_len, sliding_window=100), jnp.float32)
+    _close(
+        decode_attention(q[:, 0], k, v, kv_len, splits=splits, interpret=INTERPRET),
+        decode_attention_reference(q[:, 0], k, v, kv_len),
+        jnp.float32,
+    )
+    _close(
+        decode_attention(q[:, 0], k, v, kv_len, sliding_window=100, splits=splits, interpret=INTERPRET),
+        decode_attention_reference(q[:, 0], k, v, kv_len, sliding_window=100),
+        jnp.float32,
+    )
 
 
 def test_pallas_causal_prefill_chunk_with_row_tiles():
@@ -85,8 +101,11 @@ def test_pallas_causal_prefill_chunk_with_row_tiles():
     _, q, k, v = _qkv(7, b, t, hkv * group, hkv, d, s, jnp.float32)
     kv_len = jnp.asarray([0, 50], jnp.int32)
     for kw in (dict(), dict(offset=3), dict(sliding_window=16)):
-        _close(tree_attention(q, k, v, kv_len, None, interpret=INTERPRET, **kw),
-               tree_attention_reference(q, k, v, kv_len, None, **kw), jnp.float32)
+        _close(
+            tree_attention(q, k, v, kv_len, None, interpret=INTERPRET, **kw),
+            tree_attention_reference(q, k, v, kv_len, None, **kw),
+            jnp.float32,
+        )
 
 
 def test_pallas_draft_beam_mask():
@@ -95,8 +114,11 @@ def test_pallas_draft_beam_mask():
     rng, q, k, v = _qkv(3, b, topk, hkv * group, hkv, d, s, jnp.bfloat16)
     mask = jnp.asarray(rng.random((b, topk, w)) < 0.4)
     kv_len = jnp.asarray([60, 179], jnp.int32)  # the second slot's region runs past the cache end
-    _close(tree_attention(q, k, v, kv_len, mask, offset=9, interpret=INTERPRET),
-           tree_attention_reference(q, k, v, kv_len, mask, offset=9), jnp.bfloat16)
+    _close(
+        tree_attention(q, k, v, kv_len, mask, offset=9, interpret=INTERPRET),
+        tree_attention_reference(q, k, v, kv_len, mask, offset=9),
+        jnp.bfloat16,
+    )
 
 
 # ---- the engine on the pallas backend -----------------------------------------------------------
@@ -111,28 +133,44 @@ def models(tmp_path_factory):
     from helpers import make_hf_model, save_eagle_head
 
     d = tmp_path_factory.mktemp("pallas")
-    tgt = make_hf_model("llama", 3, vocab_size=V, num_hidden_layers=3, initializer_range=0.3,
-                        max_position_embeddings=64)
+    tgt = make_hf_model(
+        "llama", 3, vocab_size=V, num_hidden_layers=3, initializer_range=0.3, max_position_embeddings=64
+    )
     tgt.save_pretrained(d / "target")
-    make_hf_model("llama", 5, vocab_size=V, num_hidden_layers=1, initializer_range=0.3,
-                  max_position_embeddings=64).save_pretrained(d / "small")
-    eagle3 = save_eagle_head(d / "eagle3", "EAGLE3", tgt.config.to_dict(), seed=2, draft_vocab=12, scale=10.0,
-                             aux_layer_ids=[0, 1, 2])
+    make_hf_model(
+        "llama", 5, vocab_size=V, num_hidden_layers=1, initializer_range=0.3, max_position_embeddings=64
+    ).save_pretrained(d / "small")
+    eagle3 = save_eagle_head(
+        d / "eagle3", "EAGLE3", tgt.config.to_dict(), seed=2, draft_vocab=12, scale=10.0, aux_layer_ids=[0, 1, 2]
+    )
     return {"target": str(d / "target"), "small": str(d / "small"), "eagle3": eagle3}
 
 
-@pytest.mark.parametrize("algo,draft,knobs", [(None, None, None), ("EAGLE3", "eagle3", (3, 4, 8)), ("STANDALONE", "small", (3, 2, 6))])
+@pytest.mark.parametrize(
+    "algo,draft,knobs", [(None, None, None), ("EAGLE3", "eagle3", (3, 4, 8)), ("STANDALONE", "small", (3, 2, 6))]
+)
 def test_engine_pallas_backend_token_identical(models, algo, draft, knobs, caplog):
     from jaxspec.engine import Engine
 
     spec = {}
     if algo:
-        spec = dict(speculative_algorithm=algo, speculative_draft_model_path=models[draft], speculative_num_steps=knobs[0],
-                    speculative_eagle_topk=knobs[1], speculative_num_draft_tokens=knobs[2])
+        spec = dict(
+            speculative_algorithm=algo,
+            speculative_draft_model_path=models[draft],
+            speculative_num_steps=knobs[0],
+            speculative_eagle_topk=knobs[1],
+            speculative_num_draft_tokens=knobs[2],
+        )
     outs = {}
     for backend in ("xla", "pallas"):
-        eng = Engine(models["target"], skip_tokenizer_init=True, show_progress=False, chunked_prefill_size=8,
-                     attention_backend=backend, **spec)
+        eng = Engine(
+            models["target"],
+            skip_tokenizer_init=True,
+            show_progress=False,
+            chunked_prefill_size=8,
+            attention_backend=backend,
+            **spec,
+        )
         assert eng.backend == backend and (eng.proposer is None or eng.proposer.attention_backend == backend)
         with caplog.at_level(logging.WARNING):
             outs[backend] = [r["output_ids"] for r in eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)]

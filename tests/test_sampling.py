@@ -47,7 +47,9 @@ def test_filters_match_numpy():
     logits = np.random.default_rng(0).normal(size=(len(CASES), 12)).astype(np.float32) * 2
     got = np.asarray(target_probs(jnp.asarray(logits), _tensors(CASES)))
     for i, c in enumerate(CASES):
-        np.testing.assert_allclose(got[i], np_target_probs(logits[i], c["temperature"], c["top_k"], c["top_p"], c["min_p"]), atol=1e-6)
+        np.testing.assert_allclose(
+            got[i], np_target_probs(logits[i], c["temperature"], c["top_k"], c["top_p"], c["min_p"]), atol=1e-6
+        )
 
 
 def test_penalties_match_numpy():
@@ -96,8 +98,19 @@ def test_greedy_is_argmax_even_in_mixed_batch():
 
 @pytest.mark.parametrize(
     "bad",
-    [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=0), dict(min_p=2), dict(repetition_penalty=0),
-     dict(frequency_penalty=3), dict(max_new_tokens=-1), dict(bogus=1), dict(n=2), dict(seed="x")],
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(top_k=0),
+        dict(min_p=2),
+        dict(repetition_penalty=0),
+        dict(frequency_penalty=3),
+        dict(max_new_tokens=-1),
+        dict(bogus=1),
+        dict(n=2),
+        dict(seed="x"),
+    ],
 )
 def test_invalid_params_raise(bad):
     with pytest.raises(JaxspecError):

@@ -22,9 +22,18 @@ from helpers import KEY, Server, model_dirs, serve_subprocess, start  # noqa: F4
 
 @pytest.fixture(scope="module")
 def spec_server(model_dirs):  # noqa: F811
-    s = start(model_dirs, speculative_algorithm="STANDALONE", speculative_draft_model_path=model_dirs["draft"],
-              speculative_num_steps=2, speculative_eagle_topk=2, speculative_num_draft_tokens=4, max_running_requests=4,
-              max_queued_requests=6, cuda_graph_max_bs=2, max_request_bytes=4096)
+    s = start(
+        model_dirs,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=model_dirs["draft"],
+        speculative_num_steps=2,
+        speculative_eagle_topk=2,
+        speculative_num_draft_tokens=4,
+        max_running_requests=4,
+        max_queued_requests=6,
+        cuda_graph_max_bs=2,
+        max_request_bytes=4096,
+    )
     yield s
     s.stop()
 
@@ -41,7 +50,11 @@ def test_chat_completion_and_usage(spec_server):
     u = r["usage"]
     assert u["completion_tokens"] == 12 and u["total_tokens"] == u["prompt_tokens"] + 12 and u["prompt_tokens"] > 5
     m = r["spec_metrics"]
-    assert m["speculative"] and m["spec_verify_ct"] >= 1 and m["spec_accept_length"] == pytest.approx(12 / m["spec_verify_ct"])
+    assert (
+        m["speculative"]
+        and m["spec_verify_ct"] >= 1
+        and m["spec_accept_length"] == pytest.approx(12 / m["spec_verify_ct"])
+    )
 
 
 def test_streaming_matches_non_streaming(spec_server):
@@ -72,12 +85,23 @@ def test_concurrent_greedy_identical_to_alone(spec_server):
     prompts = [[5 + i] * (3 + 7 * i) for i in range(7)]  # 7 requests > 4 slots: queueing and slot reuse
     alone = []
     for p in prompts:
-        _, r, _ = spec_server.request("POST", "/generate", {"input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": 16 + len(p) % 5}})
+        _, r, _ = spec_server.request(
+            "POST",
+            "/generate",
+            {"input_ids": p, "sampling_params": {"temperature": 0, "max_new_tokens": 16 + len(p) % 5}},
+        )
         alone.append(r["output_ids"])
     together = [None] * len(prompts)
 
     def go(i):
-        _, r, _ = spec_server.request("POST", "/generate", {"input_ids": prompts[i], "sampling_params": {"temperature": 0, "max_new_tokens": 16 + len(prompts[i]) % 5}})
+        _, r, _ = spec_server.request(
+            "POST",
+            "/generate",
+            {
+                "input_ids": prompts[i],
+                "sampling_params": {"temperature": 0, "max_new_tokens": 16 + len(prompts[i]) % 5},
+            },
+        )
         together[i] = r["output_ids"]
 
     threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
@@ -85,8 +109,15 @@ def test_concurrent_greedy_identical_to_alone(spec_server):
     [t.join() for t in threads]
     assert together == alone
     # a request may turn speculation off for itself and still get the same greedy tokens
-    _, r, _ = spec_server.request("POST", "/generate", {"input_ids": prompts[2], "speculative": False,
-                                                        "sampling_params": {"temperature": 0, "max_new_tokens": 16 + len(prompts[2]) % 5}})
+    _, r, _ = spec_server.request(
+        "POST",
+        "/generate",
+        {
+            "input_ids": prompts[2],
+            "speculative": False,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 16 + len(prompts[2]) % 5},
+        },
+    )
     assert r["output_ids"] == alone[2] and r["meta_info"]["speculative"] is False
 
 
@@ -95,7 +126,9 @@ def test_seeded_sampling_is_reproducible_and_penalties_run(spec_server):
     a = spec_server.request("POST", "/v1/completions", body)[1]["choices"][0]["text"]
     b = spec_server.request("POST", "/v1/completions", body)[1]["choices"][0]["text"]
     assert a == b
-    st, r, _ = spec_server.request("POST", "/v1/completions", {**body, "frequency_penalty": 1.0, "presence_penalty": 0.5})
+    st, r, _ = spec_server.request(
+        "POST", "/v1/completions", {**body, "frequency_penalty": 1.0, "presence_penalty": 0.5}
+    )
     assert st == 200 and r["spec_metrics"]["speculative"] is False  # penalties decode without speculation
 
 
@@ -104,7 +137,9 @@ def test_stop_strings(spec_server):
     text = r["choices"][0]["text"]
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop.strip(), text
-    _, s, _ = spec_server.request("POST", "/v1/completions", {"prompt": "Once upon a time", **GREEDY, "max_tokens": 30, "stop": [stop]})
+    _, s, _ = spec_server.request(
+        "POST", "/v1/completions", {"prompt": "Once upon a time", **GREEDY, "max_tokens": 30, "stop": [stop]}
+    )
     assert s["choices"][0]["finish_reason"] == "stop" and s["choices"][0]["matched_stop"] == stop
     assert s["choices"][0]["text"] == text[: text.index(stop)]
     ev = spec_server.stream("/v1/completions", {"prompt": "Once upon a time", **GREEDY, "max_tokens": 30, "stop": stop})
@@ -140,10 +175,25 @@ def test_stop_strings(spec_server):
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
         ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 2**70}, 400, "max_tokens"),
-        ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
-        ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            400,
+            "tools",
+        ),
         ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "image_url"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            400,
+            "image_url",
+        ),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
     ],
 )
@@ -157,18 +207,31 @@ def test_largest_seeds_are_served_and_the_server_stays_up(spec_server):
     """64-bit seeds (signed or unsigned) are folded into the PRNG key; once, 2**64 crashed the scheduler."""
     outs = []
     for seed in (2**64 - 1, -(2**63), 2**32 + 7, 7):
-        st, r, _ = spec_server.request("POST", "/v1/chat/completions", {"messages": CHAT, "seed": seed, "max_tokens": 6})
+        st, r, _ = spec_server.request(
+            "POST", "/v1/chat/completions", {"messages": CHAT, "seed": seed, "max_tokens": 6}
+        )
         assert st == 200, r
         outs.append(r["choices"][0]["message"]["content"])
-    st, r, _ = spec_server.request("POST", "/v1/chat/completions", {"messages": CHAT, "seed": 2**32 + 7, "max_tokens": 6})
+    st, r, _ = spec_server.request(
+        "POST", "/v1/chat/completions", {"messages": CHAT, "seed": 2**32 + 7, "max_tokens": 6}
+    )
     assert r["choices"][0]["message"]["content"] == outs[2]  # reproducible
     st, _, _ = spec_server.request("GET", "/health")
     assert st == 200
 
 
-@pytest.mark.parametrize("raw", [b'{"prompt": "hi", "temperature": NaN}', b'{"prompt": "hi", "top_p": Infinity}',
-                                 b'{"prompt": "\\ud800"}', b'{"prompt": "\xff\xfe"}', b'[' * 100000 + b']' * 100000,
-                                 b'{"prompt": "hi", "max_tokens": ' + b'9' * 5000 + b'}', b'"just a string"'])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "hi", "temperature": NaN}',
+        b'{"prompt": "hi", "top_p": Infinity}',
+        b'{"prompt": "\\ud800"}',
+        b'{"prompt": "\xff\xfe"}',
+        b"[" * 100000 + b"]" * 100000,
+        b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",
+        b'"just a string"',
+    ],
+)
 def test_non_json_bodies_are_400(spec_server, raw):
     st, r, _ = spec_server.request("POST", "/v1/completions", raw=raw, headers={"Content-Length": str(len(raw))})
     assert st in (400, 413) and r["error"]["message"], r
@@ -178,7 +241,11 @@ def test_openapi_documents_request_bodies(spec_server):
     st, doc, _ = spec_server.request("GET", "/openapi.json")
     assert st == 200
     schemas = doc["components"]["schemas"]
-    for path, name in (("/v1/chat/completions", "ChatCompletionRequest"), ("/v1/completions", "CompletionRequest"), ("/generate", "GenerateRequest")):
+    for path, name in (
+        ("/v1/chat/completions", "ChatCompletionRequest"),
+        ("/v1/completions", "CompletionRequest"),
+        ("/generate", "GenerateRequest"),
+    ):
         body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{name}"}
         assert name in schemas
@@ -248,7 +315,11 @@ def test_api_key(spec_server):
 def test_full_queue_is_503_and_disconnect_cancels(spec_server):
     sched = spec_server.sched
     aborted = sched.stats.aborted
-    long = {"input_ids": [3] * 8, "sampling_params": {"temperature": 0, "max_new_tokens": 240, "ignore_eos": True}, "stream": True}
+    long = {
+        "input_ids": [3] * 8,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 240, "ignore_eos": True},
+        "stream": True,
+    }
     conns, statuses = [], []
     for _ in range(sched.slots + sched.max_queued + 3):  # more than slots + queue at once
         c = http.client.HTTPConnection("127.0.0.1", spec_server.port, timeout=60)
@@ -267,7 +338,9 @@ def test_full_queue_is_503_and_disconnect_cancels(spec_server):
         assert time.time() - t < 60, (sched.running, sched.queue_depth)
         time.sleep(0.05)
     assert sched.stats.aborted > aborted  # cancelled, not run to the end
-    st, r, _ = spec_server.request("POST", "/generate", {**long, "stream": False, "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
+    st, r, _ = spec_server.request(
+        "POST", "/generate", {**long, "stream": False, "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
+    )
     assert st == 200 and r["meta_info"]["completion_tokens"] == 4  # the slots are usable again
 
 
@@ -276,7 +349,14 @@ def test_metrics_and_server_info(spec_server):
     st, text, _ = spec_server.request("GET", "/metrics")
     assert st == 200
     vals = {ln.split("{")[0]: float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("jaxspec:")}
-    for k in ("num_requests_total", "generation_tokens_total", "gen_throughput", "spec_accept_length", "num_queue_reqs", "num_running_reqs"):
+    for k in (
+        "num_requests_total",
+        "generation_tokens_total",
+        "gen_throughput",
+        "spec_accept_length",
+        "num_queue_reqs",
+        "num_running_reqs",
+    ):
         assert f"jaxspec:{k}" in vals
     assert vals["jaxspec:num_requests_total"] >= 1 and vals["jaxspec:generation_tokens_total"] >= 8
     assert vals["jaxspec:spec_accept_length"] >= 1
@@ -290,11 +370,20 @@ def test_plain_server_and_overlap_off(model_dirs):  # noqa: F811
     """NONE + overlap off: same greedy tokens as the offline engine."""
     from jaxspec.engine import Engine
 
-    s = start(model_dirs, speculative_algorithm="NONE", disable_overlap_schedule=True, disable_cuda_graph=True, max_running_requests=2)
+    s = start(
+        model_dirs,
+        speculative_algorithm="NONE",
+        disable_overlap_schedule=True,
+        disable_cuda_graph=True,
+        max_running_requests=2,
+    )
     try:
         ref = Engine(model_dirs["target"], show_progress=False, speculative_algorithm="NONE").generate(
-            input_ids=[[4, 5, 6]], sampling_params={"temperature": 0, "max_new_tokens": 10})[0]["output_ids"]
-        _, r, _ = s.request("POST", "/generate", {"input_ids": [4, 5, 6], "sampling_params": {"temperature": 0, "max_new_tokens": 10}})
+            input_ids=[[4, 5, 6]], sampling_params={"temperature": 0, "max_new_tokens": 10}
+        )[0]["output_ids"]
+        _, r, _ = s.request(
+            "POST", "/generate", {"input_ids": [4, 5, 6], "sampling_params": {"temperature": 0, "max_new_tokens": 10}}
+        )
         assert r["output_ids"] == ref and r["meta_info"]["spec_verify_ct"] == 10
     finally:
         s.stop()
@@ -308,12 +397,30 @@ def test_out_of_memory_is_a_clear_startup_error(model_dirs):  # noqa: F811
 
 
 def test_sigterm_finishes_inflight_stream(model_dirs):  # noqa: F811
-    p, port = serve_subprocess(["--model-path", model_dirs["target"], "--context-length", "512", "--speculative-algorithm", "NONE",
-                                "--disable-cuda-graph"])
+    p, port = serve_subprocess(
+        [
+            "--model-path",
+            model_dirs["target"],
+            "--context-length",
+            "512",
+            "--speculative-algorithm",
+            "NONE",
+            "--disable-cuda-graph",
+        ]
+    )
     try:
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        c.request("POST", "/generate", body=json.dumps({"input_ids": [3, 4], "stream": True,
-                                                        "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True}}))
+        c.request(
+            "POST",
+            "/generate",
+            body=json.dumps(
+                {
+                    "input_ids": [3, 4],
+                    "stream": True,
+                    "sampling_params": {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True},
+                }
+            ),
+        )
         r = c.getresponse()
         first = r.readline()
         while not first.strip():
@@ -338,17 +445,25 @@ def test_default_model_server_matches_offline_greedy(default_engine):
     from jaxspec.cli import build_parser
     from server.launch import build
 
-    app, sched = build(build_parser().parse_args(["serve", "--context-length", "1024", "--cuda-graph-max-bs", "2", "--log-level", "error"]),
-                       progress=False)
+    app, sched = build(
+        build_parser().parse_args(
+            ["serve", "--context-length", "1024", "--cuda-graph-max-bs", "2", "--log-level", "error"]
+        ),
+        progress=False,
+    )
     assert sched.spec is not None and sched.spec.algorithm == "EAGLE3"
     s = Server(app, sched)
     try:
-        msgs = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", "Write a haiku about the sea.")]
+        msgs = [
+            [{"role": "user", "content": q}] for q in ("What is the capital of France?", "Write a haiku about the sea.")
+        ]
         ref = default_engine.chat(msgs, {"temperature": 0, "max_new_tokens": 48})
         out = [None, None]
 
         def go(i):
-            out[i] = s.request("POST", "/v1/chat/completions", {"messages": msgs[i], "temperature": 0, "max_tokens": 48})[1]
+            out[i] = s.request(
+                "POST", "/v1/chat/completions", {"messages": msgs[i], "temperature": 0, "max_tokens": 48}
+            )[1]
 
         threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
         [t.start() for t in threads]

@@ -75,7 +75,9 @@ def dirs(tmp_path_factory, tok):
 
     d = tmp_path_factory.mktemp("paths")
     kw = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    make_hf_model("llama", 3, num_hidden_layers=2, initializer_range=0.2, max_position_embeddings=512, **kw).save_pretrained(d / "target")
+    make_hf_model(
+        "llama", 3, num_hidden_layers=2, initializer_range=0.2, max_position_embeddings=512, **kw
+    ).save_pretrained(d / "target")
     tok.save_pretrained(d / "target")
 
     chain = tok.encode(SCRIPT, add_special_tokens=False)
@@ -101,10 +103,22 @@ def dirs(tmp_path_factory, tok):
 @pytest.fixture(scope="module")
 def selfspec(dirs):
     """The tiny target with itself as its STANDALONE draft: every draft token is accepted."""
-    s = start(dirs, context_length=CTX, speculative_algorithm="STANDALONE", speculative_draft_model_path=dirs["target"],
-              speculative_num_steps=S, speculative_eagle_topk=1, speculative_num_draft_tokens=S + 1, num_continuous_decode_steps=K,
-              max_running_requests=2, disable_cuda_graph=True, max_request_bytes=4096)
-    st, _, _ = s.request("POST", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 20, "temperature": 0}})
+    s = start(
+        dirs,
+        context_length=CTX,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=dirs["target"],
+        speculative_num_steps=S,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=S + 1,
+        num_continuous_decode_steps=K,
+        max_running_requests=2,
+        disable_cuda_graph=True,
+        max_request_bytes=4096,
+    )
+    st, _, _ = s.request(
+        "POST", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 20, "temperature": 0}}
+    )
     assert st == 200  # compiles the programs of short requests here, not in the first test
     yield s
     s.stop()
@@ -114,8 +128,14 @@ def scripted_server(dirs):
     """Plain decoding of the scripted model, one token per dispatch: one stream delta per token.
     Every dispatch reads the whole KV cache (the scheduler's min_span), so one program serves all
     lengths: no compile pauses a long request's stream of tokens."""
-    s = start({"target": dirs["scripted"]}, speculative_algorithm="NONE", num_continuous_decode_steps=1, max_running_requests=2,
-              context_length=2048, disable_cuda_graph=True)
+    s = start(
+        {"target": dirs["scripted"]},
+        speculative_algorithm="NONE",
+        num_continuous_decode_steps=1,
+        max_running_requests=2,
+        context_length=2048,
+        disable_cuda_graph=True,
+    )
     s.sched.min_span = s.sched.max_len
     return s
 
@@ -217,23 +237,39 @@ def test_self_draft_accepts_every_draft_token(selfspec, plain_greedy):
     # streamed: the prefill's token alone, then one delta per dispatch of K rounds x (S + 1) tokens
     ev, done = sse(selfspec.port, "/generate", {"input_ids": prompts[0], "sampling_params": greedy(n)})
     sizes = [len(e["output_ids"]) for e in ev[:-1]]
-    assert done and [b - a for a, b in zip([0] + sizes, sizes)] == [1, K * (S + 1), K * (S + 1), n - 1 - 2 * K * (S + 1)]
+    assert done and [b - a for a, b in zip([0] + sizes, sizes)] == [
+        1,
+        K * (S + 1),
+        K * (S + 1),
+        n - 1 - 2 * K * (S + 1),
+    ]
     assert ev[-1]["output_ids"] == g["output_ids"] and ev[-1]["meta_info"]["spec_accept_histogram"] == [0] * S + [6]
 
     # the OpenAI routes report the same counts (n = 1 + 5 (S + 1): five full rounds)
     n2 = 1 + 5 * (S + 1)
-    _, c, _ = selfspec.request("POST", "/v1/completions", {"prompt": prompts[1], "temperature": 0, "max_tokens": n2, "ignore_eos": True})
+    _, c, _ = selfspec.request(
+        "POST", "/v1/completions", {"prompt": prompts[1], "temperature": 0, "max_tokens": n2, "ignore_eos": True}
+    )
     sm = c["spec_metrics"]
     assert c["usage"]["completion_tokens"] == n2 and sm["spec_verify_ct"] == rounds(n2) == 5
     assert sm["spec_accept_histogram"] == [0] * S + [5] and sm["spec_accept_length"] == pytest.approx(n2 / 5)
     n3 = 13
-    _, ch, _ = selfspec.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0,
-                                                                 "max_tokens": n3, "ignore_eos": True})
+    _, ch, _ = selfspec.request(
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": n3, "ignore_eos": True},
+    )
     assert ch["usage"]["completion_tokens"] == n3 and ch["spec_metrics"]["spec_verify_ct"] == rounds(n3) == 3
     assert ch["spec_metrics"]["spec_accept_histogram"] == [0] * S + [3]
     # a request that opts out decodes one token per round
-    _, p, _ = selfspec.request("POST", "/generate", {"input_ids": prompts[0], "speculative": False, "sampling_params": greedy(n)})
-    assert p["output_ids"] == g["output_ids"] and p["meta_info"]["spec_verify_ct"] == n and "spec_accept_histogram" not in p["meta_info"]
+    _, p, _ = selfspec.request(
+        "POST", "/generate", {"input_ids": prompts[0], "speculative": False, "sampling_params": greedy(n)}
+    )
+    assert (
+        p["output_ids"] == g["output_ids"]
+        and p["meta_info"]["spec_verify_ct"] == n
+        and "spec_accept_histogram" not in p["meta_info"]
+    )
 
     total = rounds(n) * 2 + rounds(n2) + rounds(n3)
     assert metric(selfspec, "spec_verify_ct_total") - vct0 == total
@@ -257,7 +293,12 @@ def _stop_across_deltas(selfspec, tok):
                 continue  # the boundary is inside a character, or a token adds no text
             stop = text[p - 1 : p + 1]
             one = tok.encode(stop, add_special_tokens=False)
-            if stop.strip() != stop or "\ufffd" in stop or text.find(stop) != p - 1 or (len(one) == 1 and one[0] in ids):
+            if (
+                stop.strip() != stop
+                or "\ufffd" in stop
+                or text.find(stop) != p - 1
+                or (len(one) == 1 and one[0] in ids)
+            ):
                 continue  # want printable characters, the first occurrence, no single-token stop the device would see
             return prompt, ids, text, b, stop
     pytest.fail("no greedy output with a usable token / delta boundary")
@@ -272,14 +313,18 @@ def test_stop_string_across_two_tokens_and_two_deltas(selfspec, tok):
     assert ch["text"] == want and ch["finish_reason"] == "stop" and ch["matched_stop"] == stop
     assert r["usage"]["completion_tokens"] == b + 1  # through the token holding the stop string's last character
 
-    _, g, _ = selfspec.request("POST", "/generate", {"input_ids": prompt, "sampling_params": greedy(len(ids), stop=stop)})
+    _, g, _ = selfspec.request(
+        "POST", "/generate", {"input_ids": prompt, "sampling_params": greedy(len(ids), stop=stop)}
+    )
     assert g["output_ids"] == ids[: b + 1] and g["text"] == want
     assert g["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
 
     ev, done = sse(selfspec.port, "/v1/completions", body)
     pieces = [e["choices"][0]["text"] for e in ev]
     assert done and "".join(pieces) == want
-    assert all(want.startswith("".join(pieces[: i + 1])) for i in range(len(pieces)))  # never a character of the stop string
+    assert all(
+        want.startswith("".join(pieces[: i + 1])) for i in range(len(pieces))
+    )  # never a character of the stop string
     assert ev[-1]["choices"][0]["finish_reason"] == "stop" and ev[-1]["choices"][0]["matched_stop"] == stop
 
     ev, done = sse(selfspec.port, "/generate", {"input_ids": prompt, "sampling_params": greedy(len(ids), stop=stop)})
@@ -302,7 +347,7 @@ def test_streamed_output_ids_never_pass_a_stop_string(selfspec, tok):
 
 def test_scripted_model_emits_split_characters_one_token_per_delta(scripted, dirs, tok):
     chain = dirs["chain"]
-    out, want = chain[1:], SCRIPT[len("Hi"):]  # the model continues "Hi" with the rest of SCRIPT
+    out, want = chain[1:], SCRIPT[len("Hi") :]  # the model continues "Hi" with the rest of SCRIPT
     assert [tok.decode([t]) for t in out].count("\ufffd") >= 4  # 🦀 and 日 are split: their pieces decode to U+FFFD
     n = len(out)
 
@@ -314,13 +359,18 @@ def test_scripted_model_emits_split_characters_one_token_per_delta(scripted, dir
     # a character is shown only once its last byte arrived: the deltas of its first pieces add no text
     assert texts[:3] == ["", "", " 🦀"] and texts[4:7] == [" 🦀 and"] * 2 + [" 🦀 and 日"]
 
-    ev, done = sse(scripted.port, "/v1/completions", {"prompt": chain[:1], "max_tokens": n, "temperature": 0, "ignore_eos": True})
+    ev, done = sse(
+        scripted.port, "/v1/completions", {"prompt": chain[:1], "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    )
     pieces = [e["choices"][0]["text"] for e in ev]
     assert done and "".join(pieces) == want and not any("\ufffd" in p for p in pieces)
     assert " 🦀" in pieces and " 日" in pieces  # each character whole in one delta
 
-    ev, done = sse(scripted.port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2 * n,
-                                                         "temperature": 0, "ignore_eos": True})
+    ev, done = sse(
+        scripted.port,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2 * n, "temperature": 0, "ignore_eos": True},
+    )
     pieces = [e["choices"][0]["delta"].get("content", "") for e in ev if e["choices"]]
     assert done and "".join(pieces) == want * 2 and not any("\ufffd" in p for p in pieces)
 
@@ -338,8 +388,13 @@ def test_stop_string_inside_split_characters(scripted, dirs):
 
 
 DETOK_TEXTS = [
-    "Hi 🦀 ok", "中文字符和日本語のテキスト", "😀👍🏽 family: 👨‍👩‍👧 flags 🇫🇷🇯🇵", "é̃ combining, ∑∫√ math, Ωμέγα",
-    "mixed 🦀🦀🦀 and ✓✗ end", "한국어 텍스트 🎉", "a\u00a0b\u2028c tab\tnewline\n🙂",
+    "Hi 🦀 ok",
+    "中文字符和日本語のテキスト",
+    "😀👍🏽 family: 👨‍👩‍👧 flags 🇫🇷🇯🇵",
+    "é̃ combining, ∑∫√ math, Ωμέγα",
+    "mixed 🦀🦀🦀 and ✓✗ end",
+    "한국어 텍스트 🎉",
+    "a\u00a0b\u2028c tab\tnewline\n🙂",
 ]
 
 
@@ -380,9 +435,15 @@ def test_context_edge_with_speculation(selfspec, plain_greedy):
         st, r, _ = selfspec.request("POST", "/generate", {"input_ids": p, "sampling_params": greedy(1000)})
         assert st == 200, r
         m = r["meta_info"]
-        assert r["output_ids"] == want and m["completion_tokens"] == n and m["finish_reason"] == {"type": "length", "length": n}
+        assert (
+            r["output_ids"] == want
+            and m["completion_tokens"] == n
+            and m["finish_reason"] == {"type": "length", "length": n}
+        )
         assert m["speculative"] and m["spec_verify_ct"] == rounds(n)
-        st, c, _ = selfspec.request("POST", "/v1/completions", {"prompt": p, "temperature": 0})  # max_tokens defaults to what fits
+        st, c, _ = selfspec.request(
+            "POST", "/v1/completions", {"prompt": p, "temperature": 0}
+        )  # max_tokens defaults to what fits
         assert st == 200 and c["choices"][0]["finish_reason"] == "length" and c["usage"]["completion_tokens"] == n
     st, r, _ = selfspec.request("POST", "/generate", {"input_ids": [5] * CTX, "sampling_params": greedy(1)})
     assert st == 400 and "context length" in r["error"]["message"]
@@ -394,8 +455,11 @@ def test_context_edge_with_speculation(selfspec, plain_greedy):
 def test_chunked_body_over_the_limit_is_413(selfspec):
     auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     requests = selfspec.sched.stats.requests
-    bodies = {"/v1/completions": {"prompt": "x" * 5000, "max_tokens": 1}, "/generate": {"text": "x" * 5000},
-              "/v1/chat/completions": {"messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 1}}
+    bodies = {
+        "/v1/completions": {"prompt": "x" * 5000, "max_tokens": 1},
+        "/generate": {"text": "x" * 5000},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 1},
+    }
     for path, body in bodies.items():
         raw = json.dumps(body).encode()
         st, r, h = post(selfspec.port, path, headers=auth, chunks=[raw[i : i + 1000] for i in range(0, len(raw), 1000)])
@@ -411,10 +475,19 @@ def test_every_route_but_health_needs_the_api_key(selfspec):
     routes = [(m, r.path) for r in app.routes if getattr(r, "methods", None) for m in r.methods if m in ("GET", "POST")]
     posts = {p for m, p in routes if m == "POST"}
     assert {"/v1/chat/completions", "/v1/completions", "/generate"} <= posts
-    gets = {p for m, p in routes if m == "GET"} - {"/health", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"}
+    gets = {p for m, p in routes if m == "GET"} - {
+        "/health",
+        "/docs",
+        "/redoc",
+        "/openapi.json",
+        "/docs/oauth2-redirect",
+    }
     requests = selfspec.sched.stats.requests
-    body = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
-            "/v1/completions": {"prompt": "hi", "max_tokens": 1}, "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 1}}}
+    body = {
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+        "/v1/completions": {"prompt": "hi", "max_tokens": 1},
+        "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 1}},
+    }
     for auth in (None, "Bearer wrong", f"Bearer {KEY}x", f"Bearer {KEY[:-1]}", KEY, f"Basic {KEY}"):
         h = {"Content-Type": "application/json", **({"Authorization": auth} if auth is not None else {})}
         for path in sorted(posts):
@@ -433,14 +506,24 @@ def test_non_streaming_disconnect_cancels_the_request(scripted, dirs):
     n = 2000  # several seconds of tokens
     aborted, finished = metric(scripted, "num_requests_aborted_total"), sched.stats.finished
     c = http.client.HTTPConnection("127.0.0.1", scripted.port, timeout=60)
-    c.request("POST", "/generate", body=json.dumps({"input_ids": dirs["chain"][:1], "sampling_params": greedy(n)}),
-              headers={"Authorization": f"Bearer {KEY}"})
-    wait_for(lambda: any(len(r.out_ids) > 5 for r in list(sched.busy.values())), 60, "the request did not start decoding")
+    c.request(
+        "POST",
+        "/generate",
+        body=json.dumps({"input_ids": dirs["chain"][:1], "sampling_params": greedy(n)}),
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    wait_for(
+        lambda: any(len(r.out_ids) > 5 for r in list(sched.busy.values())), 60, "the request did not start decoding"
+    )
     req = next(iter(sched.busy.values()))
     try:
         c.sock.shutdown(socket.SHUT_RDWR)  # the client hangs up mid-request
         c.close()
-        wait_for(lambda: req.cancelled or req.finished, 3, lambda: f"still running 3 s after the client left ({len(req.out_ids)} tokens)")
+        wait_for(
+            lambda: req.cancelled or req.finished,
+            3,
+            lambda: f"still running 3 s after the client left ({len(req.out_ids)} tokens)",
+        )
         assert req.cancelled and not req.finished and len(req.out_ids) < n
         wait_for(lambda: sched.running == 0, 10, "slot not freed")
         assert metric(scripted, "num_requests_aborted_total") == aborted + 1 and sched.stats.finished == finished
@@ -476,10 +559,15 @@ def test_requests_during_shutdown_get_503(dirs):
         assert [ln.strip() for ln in lines if ln.strip()][-1] == "data: [DONE]"
         assert data[-1]["meta_info"]["finish_reason"]["type"] == "abort" and 0 < len(data[-1]["output_ids"]) < 1900
         ok = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-        for path, b in (("/generate", {"input_ids": [5], "sampling_params": greedy(2)}), ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
-                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})):
+        for path, b in (
+            ("/generate", {"input_ids": [5], "sampling_params": greedy(2)}),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        ):
             st, r, _ = post(s.port, path, b, headers=ok)
-            assert st == 503 and r["error"]["type"] == "ServiceUnavailable" and "shutting down" in r["error"]["message"], (path, r)
+            assert (
+                st == 503 and r["error"]["type"] == "ServiceUnavailable" and "shutting down" in r["error"]["message"]
+            ), (path, r)
         assert s.sched.stats.requests == 1 and s.sched.running == 0 and s.sched.queue_depth == 0
     finally:
         s.stop()
@@ -499,15 +587,36 @@ def test_sigterm_mid_stream_with_speculation(dirs):
     """SIGTERM while a speculative stream is running: the stream completes ([DONE], every token),
     then the server exits without a traceback. The signal provably arrived mid-stream: the client
     had fewer tokens than the final count, and the server finished the request after the signal."""
-    p, port = serve_subprocess(["--model-path", dirs["target"], "--context-length", str(CTX), "--speculative-algorithm", "STANDALONE",
-                                "--speculative-draft-model-path", dirs["target"], "--speculative-num-steps", str(S),
-                                "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(S + 1),
-                                "--num-continuous-decode-steps", str(K), "--disable-cuda-graph", "--shutdown-timeout", "300"])
+    p, port = serve_subprocess(
+        [
+            "--model-path",
+            dirs["target"],
+            "--context-length",
+            str(CTX),
+            "--speculative-algorithm",
+            "STANDALONE",
+            "--speculative-draft-model-path",
+            dirs["target"],
+            "--speculative-num-steps",
+            str(S),
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            str(S + 1),
+            "--num-continuous-decode-steps",
+            str(K),
+            "--disable-cuda-graph",
+            "--shutdown-timeout",
+            "300",
+        ]
+    )
     try:
         n = CTX - 2
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
         t_send = time.perf_counter()
-        c.request("POST", "/generate", body=json.dumps({"input_ids": [3, 4], "stream": True, "sampling_params": greedy(n)}))
+        c.request(
+            "POST", "/generate", body=json.dumps({"input_ids": [3, 4], "stream": True, "sampling_params": greedy(n)})
+        )
         r = c.getresponse()
         first = r.readline()
         while not first.startswith(b"data: {"):
@@ -524,7 +633,11 @@ def test_sigterm_mid_stream_with_speculation(dirs):
         # perf_counter is CLOCK_MONOTONIC, one clock for both processes: the server received the request
         # after t_send, so it finished it after t_send + e2e_latency, i.e. after the signal
         assert t_send + m["e2e_latency"] > t_sig
-        assert m["speculative"] and m["spec_verify_ct"] == rounds(n) and m["spec_accept_histogram"] == [0] * S + [rounds(n)]
+        assert (
+            m["speculative"]
+            and m["spec_verify_ct"] == rounds(n)
+            and m["spec_accept_histogram"] == [0] * S + [rounds(n)]
+        )
         assert p.wait(60) in (0, -signal.SIGTERM)
         log = p.stdout.read()
         assert "Traceback" not in log and "shutting down" in log.lower(), log

@@ -33,7 +33,9 @@ def models(tmp_path_factory):
     return {
         "target": str(d / "target"),
         "small": str(d / "small"),
-        "eagle3": save_eagle_head(d / "eagle3", "EAGLE3", cfg, seed=2, draft_vocab=12, scale=10.0, aux_layer_ids=[0, 1, 2]),
+        "eagle3": save_eagle_head(
+            d / "eagle3", "EAGLE3", cfg, seed=2, draft_vocab=12, scale=10.0, aux_layer_ids=[0, 1, 2]
+        ),
         "hf": tgt,
     }
 
@@ -41,7 +43,12 @@ def models(tmp_path_factory):
 def engine(models, algo=None, draft=None, **kw):
     spec = {}
     if algo:
-        spec = dict(speculative_algorithm=algo, speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+        spec = dict(
+            speculative_algorithm=algo,
+            speculative_num_steps=3,
+            speculative_eagle_topk=2,
+            speculative_num_draft_tokens=6,
+        )
         if draft:
             spec["speculative_draft_model_path"] = models[draft]
     return Engine(models["target"], skip_tokenizer_init=True, show_progress=False, chunked_prefill_size=4, **spec, **kw)
@@ -51,9 +58,12 @@ def serve(eng, prompts, params, speculative=None, slots=2, **kw):
     sched = Scheduler(eng, max_running_requests=slots, **kw)
     res = {}
     for i, p in enumerate(prompts):
-        r = Request(ids=p, params=SamplingParams.from_dict(params[i] if isinstance(params, list) else params),
-                    speculative=True if speculative is None else speculative[i],
-                    emit=lambda e, i=i: res.__setitem__(i, e["result"]) if e["type"] == "done" else None)
+        r = Request(
+            ids=p,
+            params=SamplingParams.from_dict(params[i] if isinstance(params, list) else params),
+            speculative=True if speculative is None else speculative[i],
+            emit=lambda e, i=i: res.__setitem__(i, e["result"]) if e["type"] == "done" else None,
+        )
         sched.submit(r)
     sched.run_until_idle()
     return [res[i] for i in range(len(prompts))], sched
@@ -97,7 +107,10 @@ def test_stops_and_max_new(models, reference):
     out, _ = serve(eng, PROMPTS[:3], params)
     assert out[0]["output_ids"] == reference[0][:1] and out[0]["meta_info"]["finish_reason"]["type"] == "length"
     cut = reference[1].index(stop_tok) + 1
-    assert out[1]["output_ids"] == reference[1][:cut] and out[1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    assert out[1]["output_ids"] == reference[1][:cut] and out[1]["meta_info"]["finish_reason"] == {
+        "type": "stop",
+        "matched": stop_tok,
+    }
     assert out[2]["output_ids"] == []
 
 
@@ -105,7 +118,10 @@ def test_cancel_frees_slot_and_stops_device_work(models, reference):
     eng = engine(models, "EAGLE3", "eagle3")
     sched = Scheduler(eng, max_running_requests=2)
     events = []
-    reqs = [Request(ids=p, params=SamplingParams.from_dict(dict(GREEDY, max_new_tokens=150)), emit=events.append) for p in PROMPTS[:2]]
+    reqs = [
+        Request(ids=p, params=SamplingParams.from_dict(dict(GREEDY, max_new_tokens=150)), emit=events.append)
+        for p in PROMPTS[:2]
+    ]
     for r in reqs:
         sched.submit(r)
     sched.step()
@@ -123,7 +139,11 @@ def test_cancel_frees_slot_and_stops_device_work(models, reference):
     assert stays.finished and not gone.finished
     assert [e["result"]["output_ids"] for e in events if e["type"] == "done"] == [stays.out_ids]
     other = {}
-    r = Request(ids=PROMPTS[1], params=SamplingParams.from_dict(GREEDY), emit=lambda e: other.update(e) if e["type"] == "done" else None)
+    r = Request(
+        ids=PROMPTS[1],
+        params=SamplingParams.from_dict(GREEDY),
+        emit=lambda e: other.update(e) if e["type"] == "done" else None,
+    )
     sched.submit(r)  # takes the freed slot
     sched.run_until_idle()
     assert r.slot == gone.slot and other["result"]["output_ids"] == reference[1]
@@ -165,6 +185,7 @@ def test_long_prefill_interleaves_with_decoding(models):
             if e["type"] == "done":
                 order.append(name)
                 res[name] = e["result"]["output_ids"]
+
         return f
 
     short = Request(ids=PROMPTS[1], params=SamplingParams.from_dict(GREEDY), emit=emit("short"))
@@ -175,7 +196,9 @@ def test_long_prefill_interleaves_with_decoding(models):
     sched.run_until_idle()
     assert order == ["short", "long"] and res == {"short": ref[0], "long": ref[1]}
 
-    keeper = Request(ids=PROMPTS[1], params=SamplingParams.from_dict(dict(GREEDY, max_new_tokens=120)), emit=emit("keeper"))
+    keeper = Request(
+        ids=PROMPTS[1], params=SamplingParams.from_dict(dict(GREEDY, max_new_tokens=120)), emit=emit("keeper")
+    )
     sched.submit(keeper)
     sched.step()  # keeper decodes in slot 0
     doomed = Request(ids=long_prompt, params=SamplingParams.from_dict(GREEDY), emit=emit("doomed"))

@@ -28,15 +28,22 @@ def hf():
 def hf_greedy(tok, model, ids):
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, eos_token_id=2, pad_token_id=2)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.slow
 def test_greedy_matches_hf_gguf_loader(default_engine, hf):
     tok, model = hf
     eng = default_engine
-    prompts = [eng._encode(p) for p in RAW] + [eng._encode(eng.apply_chat_template([{"role": "user", "content": c}]), False) for c in CHAT]
-    ref_prompts = [tok(p).input_ids for p in RAW] + [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"] for c in CHAT]
+    prompts = [eng._encode(p) for p in RAW] + [
+        eng._encode(eng.apply_chat_template([{"role": "user", "content": c}]), False) for c in CHAT
+    ]
+    ref_prompts = [tok(p).input_ids for p in RAW] + [
+        tok.apply_chat_template(
+            [{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for c in CHAT
+    ]
     assert prompts == ref_prompts  # same tokenizer and chat template as transformers
     ours = eng.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": NEW})
     for p, o in zip(prompts, ours):

@@ -89,7 +89,11 @@ def test_token_map(models, plain, tmp_path, caplog):  # noqa: F811
     (tmp_path / "map.txt").write_text(" ".join(map(str, ids)))
     np.save(tmp_path / "map.npy", np.asarray(ids))
     torch.save(ids, tmp_path / "map.pt")
-    for algo, draft, fname in [("STANDALONE", "small", "map.txt"), ("EAGLE", "eagle", "map.npy"), ("EAGLE", "eagle", "map.pt")]:
+    for algo, draft, fname in [
+        ("STANDALONE", "small", "map.txt"),
+        ("EAGLE", "eagle", "map.npy"),
+        ("EAGLE", "eagle", "map.pt"),
+    ]:
         eng = engine(models, algo, draft, (3, 2, 6), speculative_token_map=str(tmp_path / fname))
         assert eng.proposer.draft_vocab == len(ids)
         out = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
@@ -118,8 +122,15 @@ def test_sampling_matches_target_distribution(models, algo, draft):  # noqa: F81
     counts = sample_pairs(eng, prompt, n, temp)
     assert chi2_pvalue(counts, probs) > 1e-3
     # the same test rejects a sampler that accepts too eagerly (thresholds < 1 are lossy)
-    lossy = engine(models, algo, draft, (3, 2, 6), max_running_requests=512,
-                   speculative_accept_threshold_single=0.05, speculative_accept_threshold_acc=0.3)
+    lossy = engine(
+        models,
+        algo,
+        draft,
+        (3, 2, 6),
+        max_running_requests=512,
+        speculative_accept_threshold_single=0.05,
+        speculative_accept_threshold_acc=0.3,
+    )
     assert chi2_pvalue(sample_pairs(lossy, prompt, n, temp), probs) < 1e-3
 
 
@@ -134,8 +145,13 @@ def test_convert_eagle_bin_checkpoint(models, plain, tmp_path):  # noqa: F811
     src = tmp_path / "bin"
     src.mkdir()
     shutil.copy(f"{models['eagle3']}/config.json", src)
-    torch.save({k: torch.from_numpy(v) for k, v in load_file(f"{models['eagle3']}/model.safetensors").items()}, src / "pytorch_model.bin")
+    torch.save(
+        {k: torch.from_numpy(v) for k, v in load_file(f"{models['eagle3']}/model.safetensors").items()},
+        src / "pytorch_model.bin",
+    )
     out = convert(str(src), str(tmp_path / "out"), progress=False)
     models = dict(models, converted=out)
     eng = engine(models, "EAGLE3", "converted", (3, 2, 6))
-    assert [r["output_ids"] for r in eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == [plain[len(p)] for p in PROMPTS]
+    assert [r["output_ids"] for r in eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == [
+        plain[len(p)] for p in PROMPTS
+    ]

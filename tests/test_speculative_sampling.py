@@ -47,7 +47,9 @@ PROMPT = [3, 1, 4, 1, 5]
 N_PER_FILTER = 680  # 6 filters * 680 rows fill one batch of 4096
 P_PASS = 1e-3  # a correct sampler passes (the seeds are fixed, so the outcome is too)
 P_REJECT = 1e-6  # a lossy sampler must be rejected far more strongly
-MARGIN = 3e-4  # a filter decision this close to its boundary (relative for top-k / min-p, absolute for top-p) is ambiguous
+MARGIN = (
+    3e-4  # a filter decision this close to its boundary (relative for top-k / min-p, absolute for top-p) is ambiguous
+)
 
 FILTERS = {
     "temp0.6": dict(temperature=0.6),
@@ -66,12 +68,30 @@ def _tree(steps, topk, n):
 # name -> (Engine kwargs, minimum share of the requests that accepted a draft token, per filter).
 # "<name>" draft paths are filled in from the `models` fixture.
 CONFIGS = {
-    "standalone-chain": (dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="<target>", **_tree(3, 1, 4)), 0.5),
-    "eagle3-topk8": (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="<eagle3>", **_tree(3, 8, 16)), 0.4),
-    "mtp-topk4": (dict(speculative_algorithm="NEXTN", **_tree(3, 4, 8)), 0.2),  # the MTP module in the target's checkpoint
+    "standalone-chain": (
+        dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="<target>", **_tree(3, 1, 4)),
+        0.5,
+    ),
+    "eagle3-topk8": (
+        dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="<eagle3>", **_tree(3, 8, 16)),
+        0.4,
+    ),
+    "mtp-topk4": (
+        dict(speculative_algorithm="NEXTN", **_tree(3, 4, 8)),
+        0.2,
+    ),  # the MTP module in the target's checkpoint
     # four batches of 1024: each later batch matches its predecessors' outputs (the shared n-gram text)
-    "ngram": (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=8, speculative_ngram_match_type="PROB",
-                   speculative_ngram_max_match_window_size=4, speculative_ngram_capacity=1024, max_running_requests=1024), 0.4),
+    "ngram": (
+        dict(
+            speculative_algorithm="NGRAM",
+            speculative_num_draft_tokens=8,
+            speculative_ngram_match_type="PROB",
+            speculative_ngram_max_match_window_size=4,
+            speculative_ngram_capacity=1024,
+            max_running_requests=1024,
+        ),
+        0.4,
+    ),
 }
 # the mixed batch's engine (with context_length=CTX): the target drafting for itself in a topk-4 tree
 MIXED_ENGINE = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="<target>", **_tree(3, 4, 8))
@@ -116,7 +136,10 @@ def engine(models, name: str | None, **kw) -> Engine:
     extra Engine arguments."""
     key = (name, tuple(sorted(kw.items())))
     if key not in _ENGINES:
-        args = {"max_running_requests": 4096, **({} if name is None else MIXED_ENGINE if name == "mixed" else CONFIGS[name][0])}
+        args = {
+            "max_running_requests": 4096,
+            **({} if name is None else MIXED_ENGINE if name == "mixed" else CONFIGS[name][0]),
+        }
         if str(args.get("speculative_draft_model_path", "")).startswith("<"):
             args["speculative_draft_model_path"] = models[args["speculative_draft_model_path"].strip("<>")]
         _ENGINES[key] = Engine(models["target"], skip_tokenizer_init=True, show_progress=False, **{**args, **kw})
@@ -170,7 +193,9 @@ def exact_triples(hf, prompt, f) -> np.ndarray:
     p2, a2 = map(np.stack, zip(*[np_filter(logits[i, n + 1], **f) for i in range(V * V)]))
     p2, a2 = p2.reshape(V, V, V), a2.reshape(V, V)  # [t0, t1, t2]
     ambiguous = a0 + p0 @ a1 + np.einsum("a,ab,ab->", p0, p1, a2)
-    assert ambiguous < 1e-4, f"prompt {prompt}, filter {f}: {ambiguous:.2g} of the mass is at a filter boundary; pick another prompt"
+    assert ambiguous < 1e-4, (
+        f"prompt {prompt}, filter {f}: {ambiguous:.2g} of the mass is at a filter boundary; pick another prompt"
+    )
     return p0[:, None, None] * p1[:, :, None] * p2
 
 
@@ -179,7 +204,9 @@ def reference_logits(hf, prompt: tuple) -> np.ndarray:
     sees the prompt and i more tokens)."""
     if prompt not in _LOGITS:
         with torch.no_grad():
-            _LOGITS[prompt] = hf(torch.tensor([list(prompt) + [a, b] for a in range(V) for b in range(V)])).logits.double().numpy()
+            _LOGITS[prompt] = (
+                hf(torch.tensor([list(prompt) + [a, b] for a in range(V) for b in range(V)])).logits.double().numpy()
+            )
     return _LOGITS[prompt]
 
 
@@ -234,8 +261,13 @@ def run(models, name, **kw) -> dict:
         sps = [sampled(f, seed) for seed, f in enumerate(fnames)]
         out = engine(models, name, **kw).generate(input_ids=[PROMPT] * len(fnames), sampling_params=sps)
         assert all(len(r["output_ids"]) == 3 for r in out)
-        _RUNS[key] = {f: (np.array([r["output_ids"] for r, g in zip(out, fnames) if g == f]), [r for r, g in zip(out, fnames) if g == f])
-                      for f in FILTERS}
+        _RUNS[key] = {
+            f: (
+                np.array([r["output_ids"] for r, g in zip(out, fnames) if g == f]),
+                [r for r, g in zip(out, fnames) if g == f],
+            )
+            for f in FILTERS
+        }
     return _RUNS[key]
 
 
@@ -248,7 +280,9 @@ def test_reference_filters_restrict_the_support(models):
         np.testing.assert_allclose(exact(models, PROMPT, f).sum(), 1.0, atol=1e-9)
     for f in ("topk3", "topp0.7", "minp0.2", "all"):
         assert (exact(models, PROMPT, f).sum((1, 2)) == 0).sum() >= 3, f
-    assert not np.allclose(exact(models, PROMPT, "temp0.6").sum((1, 2)), exact(models, PROMPT, "temp1.4").sum((1, 2)), atol=1e-2)
+    assert not np.allclose(
+        exact(models, PROMPT, "temp0.6").sum((1, 2)), exact(models, PROMPT, "temp1.4").sum((1, 2)), atol=1e-2
+    )
 
 
 @pytest.mark.parametrize("fname", list(FILTERS))
@@ -304,10 +338,18 @@ def mixed_run(models):
                 rows += [("greedy", j, 0) for j in range(len(GREEDY_PROMPTS))]
             if i == N_MIXED // 2:
                 rows += [("edge", 0, 0), ("edge", 1, 0), ("edge-sampled", 0, 5)]
-        ids = [MIXED[g][0] if k == "sampled" else (GREEDY_PROMPTS if k == "greedy" else EDGE_PROMPTS)[g] for k, g, _ in rows]
-        sps = [sampled(MIXED[g][1], s) if k == "sampled" else sampled("all", s, 16) if k == "edge-sampled" else GREEDY for k, g, s in rows]
+        ids = [
+            MIXED[g][0] if k == "sampled" else (GREEDY_PROMPTS if k == "greedy" else EDGE_PROMPTS)[g]
+            for k, g, _ in rows
+        ]
+        sps = [
+            sampled(MIXED[g][1], s) if k == "sampled" else sampled("all", s, 16) if k == "edge-sampled" else GREEDY
+            for k, g, s in rows
+        ]
         out = engine(models, "mixed", context_length=CTX).generate(input_ids=ids, sampling_params=sps)
-        ref = engine(models, None, context_length=CTX).generate(input_ids=GREEDY_PROMPTS + EDGE_PROMPTS, sampling_params=GREEDY)
+        ref = engine(models, None, context_length=CTX).generate(
+            input_ids=GREEDY_PROMPTS + EDGE_PROMPTS, sampling_params=GREEDY
+        )
         _RUNS["mixed"] = rows, out, [r["output_ids"] for r in ref]
     return _RUNS["mixed"]
 
@@ -346,7 +388,7 @@ def test_context_edge(models):
         assert m["prompt_tokens"] + m["completion_tokens"] == CTX
         if k == "edge":
             assert r["output_ids"] == ref[len(GREEDY_PROMPTS) + g]
-    assert [len(x) for x in ref[len(GREEDY_PROMPTS):]] == [2, 1]
+    assert [len(x) for x in ref[len(GREEDY_PROMPTS) :]] == [2, 1]
     # the CTX - 2 prompt's one round accepted drafts reaching past the context: they were cut
     m = edge[("edge", 0)]["meta_info"]
     assert m["spec_verify_ct"] == 1 and sum(m["spec_accept_histogram"][1:]) == 1

@@ -21,8 +21,19 @@ def test_smollm2_random_drafts_are_lossless(default_engine, tmp_path):
     plain = [r["output_ids"] for r in default_engine.chat([[{"role": "user", "content": p}] for p in PROMPTS], SP)]
     eagle3 = save_eagle_head(tmp_path / "e3", "EAGLE3", cfg, seed=0, draft_vocab=2048)
     eagle = save_eagle_head(tmp_path / "e2", "EAGLE", cfg, seed=1)
-    for algo, path, knobs in [("EAGLE3", eagle3, None), ("EAGLE", eagle, (3, 2, 4)), ("STANDALONE", "default", (3, 1, 4)), ("NGRAM", None, None)]:
-        kw = {} if knobs is None else dict(speculative_num_steps=knobs[0], speculative_eagle_topk=knobs[1], speculative_num_draft_tokens=knobs[2])
+    for algo, path, knobs in [
+        ("EAGLE3", eagle3, None),
+        ("EAGLE", eagle, (3, 2, 4)),
+        ("STANDALONE", "default", (3, 1, 4)),
+        ("NGRAM", None, None),
+    ]:
+        kw = (
+            {}
+            if knobs is None
+            else dict(
+                speculative_num_steps=knobs[0], speculative_eagle_topk=knobs[1], speculative_num_draft_tokens=knobs[2]
+            )
+        )
         eng = Engine(show_progress=False, speculative_algorithm=algo, speculative_draft_model_path=path, **kw)
         out = eng.chat([[{"role": "user", "content": p}] for p in PROMPTS], SP)
         assert [r["output_ids"] for r in out] == plain

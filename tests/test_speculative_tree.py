@@ -125,14 +125,25 @@ def test_sample_accept_matches_python(ts, ta):
         probs = rng.dirichlet(np.ones(6) * 0.5, size=n).astype(np.float32)
         coins = rng.random(n).astype(np.float32)
         tree = build_tree(jnp.asarray(toks)[None], jnp.asarray(parent, jnp.int32)[None], steps)
-        num, path, resid = sample_accept(tree, jnp.asarray(probs)[None], jnp.asarray(coins)[None], steps, jnp.asarray([ts]), jnp.asarray([ta]))
+        num, path, resid = sample_accept(
+            tree, jnp.asarray(probs)[None], jnp.asarray(coins)[None], steps, jnp.asarray([ts]), jnp.asarray([ta])
+        )
         pnum, ppath, presid = py_sample_accept(toks, parent, probs, coins, steps, ts, ta)
         assert int(num[0]) == pnum and np.asarray(path)[0, : pnum + 1].tolist() == ppath
         np.testing.assert_allclose(np.asarray(resid)[0], presid, atol=1e-5)
 
 
-LLAMA = ModelConfig.from_hf(dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=8,
-                                 intermediate_size=8, num_hidden_layers=1, num_attention_heads=2))
+LLAMA = ModelConfig.from_hf(
+    dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+    )
+)
 
 
 def test_speculative_config_defaults_and_validation():

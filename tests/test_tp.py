@@ -29,9 +29,15 @@ KNOBS = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_
 
 
 def child(*args, devices: int = 4) -> subprocess.Popen:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")  # cross-process CPU collectives (GPUs use NCCL)
-    return subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+    )  # cross-process CPU collectives (GPUs use NCCL)
+    return subprocess.Popen(
+        [sys.executable, __file__, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
 
 
 def result(p: subprocess.Popen) -> dict:
@@ -44,16 +50,36 @@ def result(p: subprocess.Popen) -> dict:
 def tiny(tmp_path_factory) -> dict:
     """What the child observed on tiny random models (8 heads, 4 KV heads, q/k/v bias, untied head)."""
     d = tmp_path_factory.mktemp("tp")
-    tgt = make_hf_model("llama", 3, vocab_size=V, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4,
-                        attention_bias=True, initializer_range=0.3)
+    tgt = make_hf_model(
+        "llama",
+        3,
+        vocab_size=V,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        attention_bias=True,
+        initializer_range=0.3,
+    )
     tgt.save_pretrained(d / "target")
     make_hf_model("llama", 5, vocab_size=V, num_hidden_layers=1, initializer_range=0.3).save_pretrained(d / "small")
-    save_eagle_head(d / "eagle3", "EAGLE3", tgt.config.to_dict(), seed=2, draft_vocab=12, scale=10.0, aux_layer_ids=[0, 1, 2])
+    save_eagle_head(
+        d / "eagle3", "EAGLE3", tgt.config.to_dict(), seed=2, draft_vocab=12, scale=10.0, aux_layer_ids=[0, 1, 2]
+    )
     # head_dim 16 (the kernels need a power of two >= 16): the pallas backend per device
-    t16 = make_hf_model("llama", 4, vocab_size=V, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, initializer_range=0.3)
+    t16 = make_hf_model(
+        "llama",
+        4,
+        vocab_size=V,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        initializer_range=0.3,
+    )
     t16.save_pretrained(d / "target16")
-    save_eagle_head(d / "eagle3_16", "EAGLE3", t16.config.to_dict(), seed=2, draft_vocab=12, scale=10.0, aux_layer_ids=[0, 1, 2])
+    save_eagle_head(
+        d / "eagle3_16", "EAGLE3", t16.config.to_dict(), seed=2, draft_vocab=12, scale=10.0, aux_layer_ids=[0, 1, 2]
+    )
     return {**result(child("tiny", str(d))), "dir": str(d)}
 
 
@@ -74,9 +100,18 @@ def test_speculation_accepts_drafts(tiny):
 def test_params_and_kv_cache_are_split(tiny, tp):
     h, hkv, d, inter = 64, 4, 8, 128
     assert tiny["shards"][str(tp)] == {
-        "q_proj": [h, 8 * d // tp], "q_bias": [8 * d // tp], "k_proj": [h, hkv * d // tp], "o_proj": [8 * d // tp, h],
-        "o_bias": [h], "up_proj": [h, inter // tp], "down_proj": [inter // tp, h], "embed": [V // tp, h],
-        "lm_head": [h, V // tp], "norm": [h], "kv_cache": [len(PROMPTS), 64, hkv // tp, d], "draft_q_proj": [2 * h, 8 * d],
+        "q_proj": [h, 8 * d // tp],
+        "q_bias": [8 * d // tp],
+        "k_proj": [h, hkv * d // tp],
+        "o_proj": [8 * d // tp, h],
+        "o_bias": [h],
+        "up_proj": [h, inter // tp],
+        "down_proj": [inter // tp, h],
+        "embed": [V // tp, h],
+        "lm_head": [h, V // tp],
+        "norm": [h],
+        "kv_cache": [len(PROMPTS), 64, hkv // tp, d],
+        "draft_q_proj": [2 * h, 8 * d],
     }
 
 
@@ -120,7 +155,9 @@ def test_cli_flags():
     from jaxspec.errors import JaxspecError
     from jaxspec.sharding import init_distributed
 
-    a = build_parser().parse_args(["generate", "--tp-size", "2", "--dist-init-addr", "10.0.0.1:5000", "--nnodes", "2", "--node-rank", "1"])
+    a = build_parser().parse_args(
+        ["generate", "--tp-size", "2", "--dist-init-addr", "10.0.0.1:5000", "--nnodes", "2", "--node-rank", "1"]
+    )
     assert (a.tp_size, a.dist_init_addr, a.nnodes, a.node_rank) == (2, "10.0.0.1:5000", 2, 1)
     assert build_parser().parse_args(["serve", "--tp-size", "4"]).tp_size == 4
     with pytest.raises(JaxspecError, match="--dist-init-addr"):
@@ -158,12 +195,23 @@ def _tiny_checks(d: str) -> dict:
     from jaxspec.sampling import SamplingParams
     from server.scheduler import Request, Scheduler
 
-    drafts = {"NONE": {}, "EAGLE3": dict(speculative_draft_model_path=f"{d}/eagle3", **KNOBS),
-              "STANDALONE": dict(speculative_draft_model_path=f"{d}/small", **KNOBS)}
+    drafts = {
+        "NONE": {},
+        "EAGLE3": dict(speculative_draft_model_path=f"{d}/eagle3", **KNOBS),
+        "STANDALONE": dict(speculative_draft_model_path=f"{d}/small", **KNOBS),
+    }
 
     def engine(algo, tp, **kw):
-        return Engine(f"{d}/target", skip_tokenizer_init=True, show_progress=False, chunked_prefill_size=4, tp_size=tp,
-                      speculative_algorithm=algo, **drafts[algo], **kw)
+        return Engine(
+            f"{d}/target",
+            skip_tokenizer_init=True,
+            show_progress=False,
+            chunked_prefill_size=4,
+            tp_size=tp,
+            speculative_algorithm=algo,
+            **drafts[algo],
+            **kw,
+        )
 
     res = {"tokens": {}, "rounds": {}, "shards": {}, "errors": {}}
     for algo, tp in RUNS:
@@ -176,28 +224,50 @@ def _tiny_checks(d: str) -> dict:
             shard = lambda x: list(x.sharding.shard_shape(x.shape))
             p, layer = eng.params, eng.params["layers"][0]
             cache = KVCache.create(eng.cfg, len(PROMPTS), 64, eng.dtype, eng.kv_sharding)
-            cache, _ = prefill_chunk(eng.graphdef, eng.params, cache, jnp.asarray([(x + [0] * 4)[:4] for x in PROMPTS]), jnp.int32(0),
-                                     jnp.asarray([4, 3]), jnp.zeros((len(PROMPTS), eng.cfg.hidden_size)))
+            cache, _ = prefill_chunk(
+                eng.graphdef,
+                eng.params,
+                cache,
+                jnp.asarray([(x + [0] * 4)[:4] for x in PROMPTS]),
+                jnp.int32(0),
+                jnp.asarray([4, 3]),
+                jnp.zeros((len(PROMPTS), eng.cfg.hidden_size)),
+            )
             a, m = layer["self_attn"], layer["mlp"]
             res["shards"][str(tp)] = {
-                "q_proj": shard(a["q_proj"]["kernel"][...]), "q_bias": shard(a["q_proj"]["bias"][...]),
-                "k_proj": shard(a["k_proj"]["kernel"][...]), "o_proj": shard(a["o_proj"]["kernel"][...]),
-                "o_bias": shard(a["o_proj"]["bias"][...]), "up_proj": shard(m["up_proj"]["kernel"][...]),
-                "down_proj": shard(m["down_proj"]["kernel"][...]), "embed": shard(p["embed_tokens"][...]),
-                "lm_head": shard(p["lm_head"]["kernel"][...]), "norm": shard(layer["input_layernorm"]["weight"][...]),
+                "q_proj": shard(a["q_proj"]["kernel"][...]),
+                "q_bias": shard(a["q_proj"]["bias"][...]),
+                "k_proj": shard(a["k_proj"]["kernel"][...]),
+                "o_proj": shard(a["o_proj"]["kernel"][...]),
+                "o_bias": shard(a["o_proj"]["bias"][...]),
+                "up_proj": shard(m["up_proj"]["kernel"][...]),
+                "down_proj": shard(m["down_proj"]["kernel"][...]),
+                "embed": shard(p["embed_tokens"][...]),
+                "lm_head": shard(p["lm_head"]["kernel"][...]),
+                "norm": shard(layer["input_layernorm"]["weight"][...]),
                 "kv_cache": shard(cache.k[0]),  # after a jitted prefill: still split on KV heads
-                "draft_q_proj": shard(eng.dparams["draft"]["midlayer"]["self_attn"]["q_proj"]["kernel"][...]),  # replicated
+                "draft_q_proj": shard(
+                    eng.dparams["draft"]["midlayer"]["self_attn"]["q_proj"]["kernel"][...]
+                ),  # replicated
             }
 
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, *_, **__: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+        lambda event, *_, **__: (
+            compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+        )
+    )
 
     def serve(sched):
         got = {}
         for i, ids in enumerate(PROMPTS):
-            sched.submit(Request(ids=ids, params=SamplingParams.from_dict(GREEDY),
-                                 emit=lambda e, i=i: got.__setitem__(i, e["result"]["output_ids"]) if e["type"] == "done" else None))
+            sched.submit(
+                Request(
+                    ids=ids,
+                    params=SamplingParams.from_dict(GREEDY),
+                    emit=lambda e, i=i: got.__setitem__(i, e["result"]["output_ids"]) if e["type"] == "done" else None,
+                )
+            )
         sched.run_until_idle()
         return [got[i] for i in range(len(PROMPTS))]
 
@@ -213,11 +283,20 @@ def _tiny_checks(d: str) -> dict:
 
     res["pallas"] = {}
     for algo, backend, tp in [("NONE", "xla", 1), ("NONE", "pallas", 2), ("EAGLE3", "pallas", 2)]:
-        eng = Engine(f"{d}/target16", skip_tokenizer_init=True, show_progress=False, chunked_prefill_size=4, tp_size=tp,
-                     attention_backend=backend, speculative_algorithm=algo,
-                     **(dict(speculative_draft_model_path=f"{d}/eagle3_16", **KNOBS) if algo == "EAGLE3" else {}))
+        eng = Engine(
+            f"{d}/target16",
+            skip_tokenizer_init=True,
+            show_progress=False,
+            chunked_prefill_size=4,
+            tp_size=tp,
+            attention_backend=backend,
+            speculative_algorithm=algo,
+            **(dict(speculative_draft_model_path=f"{d}/eagle3_16", **KNOBS) if algo == "EAGLE3" else {}),
+        )
         assert eng.backend == backend
-        res["pallas"][f"{algo}/{backend}/{tp}"] = [o["output_ids"] for o in eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+        res["pallas"][f"{algo}/{backend}/{tp}"] = [
+            o["output_ids"] for o in eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        ]
     res["pallas"]["fallbacks"] = attention._warn_fallback.cache_info().currsize
     for tp in (3, 5):
         try:
@@ -234,8 +313,17 @@ def _smollm2_checks() -> dict:
     loaded = load(None, progress=False)
     res = {}
     for algo, tp in [("NONE", 1), ("NONE", 3), ("EAGLE3", 3)]:
-        eng = Engine(_loaded=loaded, tp_size=tp, speculative_algorithm=algo, show_progress=False, chunked_prefill_size=64, context_length=128)
-        res[f"{algo}/{tp}"] = eng.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True})["output_ids"]
+        eng = Engine(
+            _loaded=loaded,
+            tp_size=tp,
+            speculative_algorithm=algo,
+            show_progress=False,
+            chunked_prefill_size=64,
+            context_length=128,
+        )
+        res[f"{algo}/{tp}"] = eng.generate(
+            "The capital of France is", {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}
+        )["output_ids"]
         if tp == 3:
             q = eng.params["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
             res["q_shard"] = list(q.sharding.shard_shape(q.shape))
@@ -254,5 +342,9 @@ def _host(addr: str, rank: int, d: str) -> dict:
 if __name__ == "__main__":
     sys.path[:0] = [os.path.dirname(HERE)]
     mode, args = sys.argv[1], sys.argv[2:]
-    checks = {"tiny": lambda: _tiny_checks(*args), "host": lambda: _host(args[0], int(args[1]), args[2]), "smollm2": _smollm2_checks}
+    checks = {
+        "tiny": lambda: _tiny_checks(*args),
+        "host": lambda: _host(args[0], int(args[1]), args[2]),
+        "smollm2": _smollm2_checks,
+    }
     print(json.dumps(checks[mode]()))

@@ -36,7 +36,10 @@ def target(tmp_path_factory):
     eng = Engine(_loaded=loaded, max_running_requests=64, show_progress=False)
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, V, 4)) for _ in range(640)]
-    outs = eng.generate(input_ids=prompts, sampling_params=[dict(temperature=1.0, max_new_tokens=28, ignore_eos=True, seed=i) for i in range(640)])
+    outs = eng.generate(
+        input_ids=prompts,
+        sampling_params=[dict(temperature=1.0, max_new_tokens=28, ignore_eos=True, seed=i) for i in range(640)],
+    )
     examples = [Example(p + o["output_ids"], [0] * len(p) + [1] * len(o["output_ids"])) for p, o in zip(prompts, outs)]
     return str(d), loaded, hf.config.to_dict(), examples
 
@@ -45,8 +48,18 @@ def target(tmp_path_factory):
 def test_training_improves_and_export_is_lossless(target, algo, tmp_path):
     path, loaded, cfg_dict, examples = target
     held, train = examples[:32], examples[32:]
-    cfg = TrainConfig(algorithm=algo, steps=200, batch_size=8, max_len=32, lr=1e-2, warmup=20, clip=5.0, ttt_steps=3,
-                      draft_vocab_size=48, save_every=100)
+    cfg = TrainConfig(
+        algorithm=algo,
+        steps=200,
+        batch_size=8,
+        max_len=32,
+        lr=1e-2,
+        warmup=20,
+        clip=5.0,
+        ttt_steps=3,
+        draft_vocab_size=48,
+        save_every=100,
+    )
     tr = Trainer(loaded, cfg_dict, train, cfg, str(tmp_path), progress=False)
     before = tr.evaluate(held)
     tr.train()
@@ -57,21 +70,35 @@ def test_training_improves_and_export_is_lossless(target, algo, tmp_path):
     log = json.load(open(f"{out}/train_log.json"))
     assert len(log["log"]) == 200 and (tmp_path / "loss.svg").exists()
     # reload through the public layout: lossless, and it accepts more than an untrained head would
-    eng = Engine(path, skip_tokenizer_init=True, show_progress=False, speculative_algorithm=algo, speculative_draft_model_path=out,
-                 speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+    eng = Engine(
+        path,
+        skip_tokenizer_init=True,
+        show_progress=False,
+        speculative_algorithm=algo,
+        speculative_draft_model_path=out,
+        speculative_num_steps=3,
+        speculative_eagle_topk=2,
+        speculative_num_draft_tokens=6,
+    )
     plain = Engine(_loaded=loaded, show_progress=False)
     prompts = [e.ids[:4] for e in held[:4]]
     sp = dict(temperature=0, max_new_tokens=24, ignore_eos=True)
     got = eng.generate(input_ids=prompts, sampling_params=sp)
-    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in plain.generate(input_ids=prompts, sampling_params=sp)]
+    assert [r["output_ids"] for r in got] == [
+        r["output_ids"] for r in plain.generate(input_ids=prompts, sampling_params=sp)
+    ]
     assert np.mean([r["meta_info"]["spec_accept_length"] for r in got]) > 2.0
 
 
 def test_resume_from_checkpoint(target, tmp_path):
     _, loaded, cfg_dict, examples = target
-    cfg = TrainConfig(algorithm="EAGLE3", steps=6, batch_size=4, max_len=32, ttt_steps=2, draft_vocab_size=48, save_every=3)
+    cfg = TrainConfig(
+        algorithm="EAGLE3", steps=6, batch_size=4, max_len=32, ttt_steps=2, draft_vocab_size=48, save_every=3
+    )
     Trainer(loaded, cfg_dict, examples, cfg, str(tmp_path), progress=False).train()
-    again = Trainer(loaded, cfg_dict, examples, TrainConfig(**{**cfg.__dict__, "steps": 9}), str(tmp_path), progress=False)
+    again = Trainer(
+        loaded, cfg_dict, examples, TrainConfig(**{**cfg.__dict__, "steps": 9}), str(tmp_path), progress=False
+    )
     assert again.restore() and again.step == 6
     again.train()
     assert again.step == 9 and [r["step"] for r in again.log] == list(range(1, 10))
@@ -79,9 +106,17 @@ def test_resume_from_checkpoint(target, tmp_path):
 
 def test_chat_data_and_masks(default_engine, tmp_path):
     tok = default_engine.tokenizer
-    convs = [{"conversations": [{"from": "human", "value": "Hi there"}, {"from": "gpt", "value": "Hello! How can I help?"},
-                                {"from": "human", "value": "Tell me a joke"}, {"from": "gpt", "value": "Why did the chicken cross the road?"}]},
-             {"messages": [{"role": "assistant", "content": "starts with the assistant"}]}]
+    convs = [
+        {
+            "conversations": [
+                {"from": "human", "value": "Hi there"},
+                {"from": "gpt", "value": "Hello! How can I help?"},
+                {"from": "human", "value": "Tell me a joke"},
+                {"from": "gpt", "value": "Why did the chicken cross the road?"},
+            ]
+        },
+        {"messages": [{"role": "assistant", "content": "starts with the assistant"}]},
+    ]
     f = tmp_path / "chats.jsonl"
     f.write_text("\n".join(json.dumps(c) for c in convs))
     loaded = load_conversations(str(f))
@@ -108,7 +143,10 @@ def test_regeneration_is_cached_and_resumes(default_engine, tmp_path):
             self.asked += len(msgs)
             return self.eng.chat(msgs, sp)
 
-    convs = [[{"role": "user", "content": f"Say the number {i}."}, {"role": "assistant", "content": "old answer"}] for i in range(3)]
+    convs = [
+        [{"role": "user", "content": f"Say the number {i}."}, {"role": "assistant", "content": "old answer"}]
+        for i in range(3)
+    ]
     cache = str(tmp_path / "regen.jsonl")
     eng = Counting(default_engine)
     first = regenerate(eng, convs[:2], 6, batch=2, cache_path=cache)

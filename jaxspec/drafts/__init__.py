@@ -25,8 +25,9 @@ def bundled_drafts() -> dict[str, dict]:
     return out
 
 
-def bundled_draft_for(target_path: str | None, target_cfg, algorithm: str | None = None,
-                      platform: str | None = None) -> tuple[str, str, tuple | None] | None:
+def bundled_draft_for(
+    target_path: str | None, target_cfg, algorithm: str | None = None, platform: str | None = None
+) -> tuple[str, str, tuple | None] | None:
     """(algorithm, draft directory, tree shape) shipped for this target, or None.
 
     algorithm: None picks the target's default draft (target.json "default": true); "EAGLE3" or
@@ -50,7 +51,11 @@ def bundled_draft_for(target_path: str | None, target_cfg, algorithm: str | None
         if not wanted:
             continue
         tree = meta.get("tree", {}).get(platform or _platform())
-        return meta["algorithm"], path, None if tree is None else (tree["num_steps"], tree["eagle_topk"], tree["num_draft_tokens"])
+        return (
+            meta["algorithm"],
+            path,
+            None if tree is None else (tree["num_steps"], tree["eagle_topk"], tree["num_draft_tokens"]),
+        )
     return None
 
 

@@ -24,20 +24,22 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.cache import KVCache
-from jaxspec.config import ModelConfig, rope_inv_freq
+from jaxspec.config import EAGLE_ARCHS, ModelConfig, rope_inv_freq
 from jaxspec.errors import JaxspecError
 from jaxspec.models.llama import MLP, Attention, DecoderLayer, Linear, RMSNorm
-
-EAGLE_ARCHS = {"LlamaForCausalLMEagle": "EAGLE", "LlamaForCausalLMEagle3": "EAGLE3"}
 
 
 def eagle_config(d: dict) -> tuple[str, ModelConfig, dict]:
     """(kind "EAGLE" | "EAGLE3", ModelConfig of the draft layer, extra) from a draft config.json."""
     arch = (d.get("architectures") or ["?"])[0]
     if arch not in EAGLE_ARCHS:
-        raise JaxspecError(f"not an EAGLE draft config: architectures={d.get('architectures')}; expected one of {', '.join(EAGLE_ARCHS)}")
+        raise JaxspecError(
+            f"not an EAGLE draft config: architectures={d.get('architectures')}; expected one of {', '.join(EAGLE_ARCHS)}"
+        )
     kind = EAGLE_ARCHS[arch]
-    cfg = ModelConfig.from_hf({**d, "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
+    cfg = ModelConfig.from_hf(
+        {**d, "model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1}
+    )
     extra = {"draft_vocab_size": d.get("draft_vocab_size") or d["vocab_size"]}
     ec = d.get("eagle_config") or {}
     if ec.get("eagle_aux_hidden_state_layer_ids"):
@@ -128,6 +130,3 @@ def build_eagle(kind: str, cfg: ModelConfig, extra: dict, dtype, rngs: nnx.Rngs)
     if kind == "EAGLE":
         return Eagle2Head(cfg, dtype, rngs=rngs)
     return Eagle3Head(cfg, extra["draft_vocab_size"], dtype, rngs=rngs)
-
-
-

@@ -70,7 +70,9 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         cache = cache.write(layer, k, v, cache.lengths + offset)
-        o = attention(q, *cache.read(layer), cache.lengths, local_mask, cfg.sliding_window, offset, backend, cache.sharding)
+        o = attention(
+            q, *cache.read(layer), cache.lengths, local_mask, cfg.sliding_window, offset, backend, cache.sharding
+        )
         return self.o_proj(o.reshape(b, t, cfg.num_heads * cfg.head_dim)), cache
 
 
@@ -106,10 +108,16 @@ class LlamaForCausalLM(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed_tokens = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype) * INIT_STD)
+        self.embed_tokens = nnx.Param(
+            jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype) * INIT_STD
+        )
         self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+        )
 
     def __call__(
         self,

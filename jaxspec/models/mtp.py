@@ -72,7 +72,9 @@ class MiMoMTPHead(nnx.Module):
 
     def __call__(self, embeds, hidden, positions, cache: KVCache, local_mask=None, offset=0, backend="xla"):
         embeds = jnp.where((positions == 0)[..., None], 0, embeds)
-        x = self.input_proj(jnp.concatenate([self.hidden_layernorm(hidden.astype(embeds.dtype)), self.token_layernorm(embeds)], -1))
+        x = self.input_proj(
+            jnp.concatenate([self.hidden_layernorm(hidden.astype(embeds.dtype)), self.token_layernorm(embeds)], -1)
+        )
         y, cache = self.layer(x, positions, jnp.asarray(rope_inv_freq(self.cfg)), cache, 0, local_mask, offset, backend)
         out = self.final_layernorm(y)
         return out, out, cache

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from jaxspec.config import ModelConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models.llama import LlamaForCausalLM
+from jaxspec.models.mtp import is_mtp_tensor
 
 # Keys a checkpoint may carry that we do not need.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -46,14 +47,28 @@ def load_model(
 ) -> LlamaForCausalLM:
     """Builds the model from tensors `get(hf_key)` without materialising a random init.
     place(path, array) -> device array puts each tensor where it lives (None: the default device)."""
-    from jaxspec.models.mtp import is_mtp_tensor
-
     # MTP modules a checkpoint may carry are drafts (models/mtp.py), not part of the target.
-    ignore = lambda n: n.endswith(IGNORED_SUFFIXES) or (n == "lm_head.weight" and cfg.tie_word_embeddings) or is_mtp_tensor(n, cfg.num_layers)
-    return load_module(lambda: LlamaForCausalLM(cfg, dtype, rngs=nnx.Rngs(0)), hf_key, names, get, dtype, progress, desc, ignore, place)
+    ignore = lambda n: (
+        n.endswith(IGNORED_SUFFIXES)
+        or (n == "lm_head.weight" and cfg.tie_word_embeddings)
+        or is_mtp_tensor(n, cfg.num_layers)
+    )
+    return load_module(
+        lambda: LlamaForCausalLM(cfg, dtype, rngs=nnx.Rngs(0)), hf_key, names, get, dtype, progress, desc, ignore, place
+    )
 
 
-def load_module(make, key_fn, names, get, dtype=jnp.float32, progress=True, desc="loading weights", ignore=lambda n: False, place=None):
+def load_module(
+    make,
+    key_fn,
+    names,
+    get,
+    dtype=jnp.float32,
+    progress=True,
+    desc="loading weights",
+    ignore=lambda n: False,
+    place=None,
+):
     """Fills the module that `make()` builds with checkpoint tensors; key_fn(path) -> (key, transpose?).
 
     nnx.Param leaves are cast to `dtype`; other variables (e.g. int index tables) keep their dtype.
@@ -77,7 +92,14 @@ def load_module(make, key_fn, names, get, dtype=jnp.float32, progress=True, desc
             bad_shape.append(f"{key}: checkpoint {tuple(arr.shape)} vs model {tuple(var.shape)}")
             continue
         want = dtype if isinstance(var, nnx.Param) else var.dtype
-        leaves.append((path, var.replace(jnp.asarray(arr, dtype=want) if place is None else place(path, np.asarray(arr, dtype=want)))))
+        leaves.append(
+            (
+                path,
+                var.replace(
+                    jnp.asarray(arr, dtype=want) if place is None else place(path, np.asarray(arr, dtype=want))
+                ),
+            )
+        )
     if missing or bad_shape:
         msg = []
         if missing:
@@ -87,7 +109,9 @@ def load_module(make, key_fn, names, get, dtype=jnp.float32, progress=True, desc
         raise JaxspecError("checkpoint does not match its config: " + "; ".join(msg))
     unexpected = [n for n in names - used if not ignore(n)]
     if unexpected:
-        raise JaxspecError(f"checkpoint has {len(unexpected)} unexpected tensors (e.g. {', '.join(sorted(unexpected)[:4])})")
+        raise JaxspecError(
+            f"checkpoint has {len(unexpected)} unexpected tensors (e.g. {', '.join(sorted(unexpected)[:4])})"
+        )
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 

@@ -27,7 +27,20 @@ from jaxspec.speculative.proposers.base import DraftState, Proposer
 from jaxspec.speculative.verify import Accepted, greedy_verify, verify
 
 
-def prefill_step(tgt, prop: Proposer, dparams, cache: KVCache, dcache, tokens, dtokens, start, prompt_lens, last_h, last_feat, backend="xla"):
+def prefill_step(
+    tgt,
+    prop: Proposer,
+    dparams,
+    cache: KVCache,
+    dcache,
+    tokens,
+    dtokens,
+    start,
+    prompt_lens,
+    last_h,
+    last_feat,
+    backend="xla",
+):
     """Target and draft prefill of one chunk (the body of `spec_prefill_chunk`, also used by the
     server on slot views). Returns (cache, dcache, last_h, last_feat)."""
     h, cap, cache, keep = target_prefill(tgt, cache, tokens, start, prompt_lens, prop.capture_layers, backend)
@@ -40,13 +53,38 @@ def prefill_step(tgt, prop: Proposer, dparams, cache: KVCache, dcache, tokens, d
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "prop", "backend"), donate_argnames=("cache", "dcache"))
-def spec_prefill_chunk(graphdef, params, prop: Proposer, dparams, cache: KVCache, dcache: KVCache, tokens, dtokens, start,
-                       prompt_lens, last_h, last_feat, backend="xla"):
+def spec_prefill_chunk(
+    graphdef,
+    params,
+    prop: Proposer,
+    dparams,
+    cache: KVCache,
+    dcache: KVCache,
+    tokens,
+    dtokens,
+    start,
+    prompt_lens,
+    last_h,
+    last_feat,
+    backend="xla",
+):
     """Target and draft prefill of one chunk. tokens: prompt [B, C]; dtokens: the draft's tokens for
     the same entries (prompt shifted by `prop.shift`). last_h [B, H] / last_feat [B, F]: the target
     hidden and draft feature of each slot's last prompt token (updated when it is in this chunk)."""
-    return prefill_step(nnx.merge(graphdef, params), prop, dparams, cache, dcache, tokens, dtokens, start, prompt_lens,
-                        last_h, last_feat, backend)
+    return prefill_step(
+        nnx.merge(graphdef, params),
+        prop,
+        dparams,
+        cache,
+        dcache,
+        tokens,
+        dtokens,
+        start,
+        prompt_lens,
+        last_h,
+        last_feat,
+        backend,
+    )
 
 
 @jax.tree_util.register_dataclass
@@ -90,8 +128,9 @@ def emit(state: SpecState, new, n_new, max_new_tokens, stop_ids):
         emitted = (i < count[:, None]).astype(jnp.int32)
         counts = counts.at[jnp.arange(b)[:, None], new].add(emitted)
         seen = seen.at[jnp.arange(b)[:, None], new].max(emitted > 0)
-    return dataclasses.replace(state, out=out, num_out=num_out, done=state.done | stopped | hit_len, finish=finish,
-                               counts=counts, seen=seen)
+    return dataclasses.replace(
+        state, out=out, num_out=num_out, done=state.done | stopped | hit_len, finish=finish, counts=counts, seen=seen
+    )
 
 
 def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState):
@@ -104,20 +143,33 @@ def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState)
         return probs, h
 
     root_hidden = state.draft.root_hidden if prop.uses_hidden else None
-    cand = tree_lib.grow(state.draft.root_probs, root_hidden, lambda ids: prop.to_target(dparams, ids), step_fn,
-                         spec.num_steps, spec.eagle_topk, prop.root_in_region)
+    cand = tree_lib.grow(
+        state.draft.root_probs,
+        root_hidden,
+        lambda ids: prop.to_target(dparams, ids),
+        step_fn,
+        spec.num_steps,
+        spec.eagle_topk,
+        prop.root_in_region,
+    )
     return tree_lib.rerank(state.last, cand, spec.num_draft_tokens, spec.num_steps), d["state"]
 
 
-def spec_round(tgt, prop, dparams, spec: SpecConfig, state: SpecState, st, max_new_tokens, stop_ids, thr, backend, plain=None):
+def spec_round(
+    tgt, prop, dparams, spec: SpecConfig, state: SpecState, st, max_new_tokens, stop_ids, thr, backend, plain=None
+):
     """One round. plain: [B] bool or None (server): those slots accept no draft and take the
     target's own sample at the root (with penalties), i.e. plain decoding inside the round."""
     steps = spec.num_steps
     tree, dstate = draft_tree(prop, dparams, tgt, spec, state)
     cache = state.cache
     pos = cache.lengths[:, None] + tree.depth
-    h, cache, cap = tgt(tree.tokens, pos, cache, local_mask=tree.anc, capture_layers=prop.capture_layers, backend=backend)
-    keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.fold_in)(st.keys, jnp.ones_like(state.verify_ct)), state.verify_ct)
+    h, cache, cap = tgt(
+        tree.tokens, pos, cache, local_mask=tree.anc, capture_layers=prop.capture_layers, backend=backend
+    )
+    keys = jax.vmap(jax.random.fold_in)(
+        jax.vmap(jax.random.fold_in)(st.keys, jnp.ones_like(state.verify_ct)), state.verify_ct
+    )
     if spec.ngram is not None and spec.ngram.force_greedy_verify:  # SGLANG_NGRAM_FORCE_GREEDY_VERIFY
         acc = greedy_verify(tree, tgt.logits(h), steps)
     else:
@@ -155,14 +207,32 @@ def _plain_slots(tgt, h, acc: Accepted, plain, st: SamplingTensors, state: SpecS
         counts = state.counts if state.counts is not None else jnp.zeros(h.shape[:1] + (tgt.cfg.vocab_size,), jnp.int32)
         seen = state.seen if state.seen is not None else counts > 0
         tok = sample(tgt.logits(h[:, 0]).astype(jnp.float32), st, counts, seen, keys)
-        return Accepted(jnp.where(plain, 0, acc.num), jnp.where(plain[:, None], 0, acc.path), jnp.where(plain, tok, acc.bonus))
+        return Accepted(
+            jnp.where(plain, 0, acc.num), jnp.where(plain[:, None], 0, acc.path), jnp.where(plain, tok, acc.bonus)
+        )
 
     return jax.lax.cond(jnp.any(plain), override, lambda: acc)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "prop", "spec", "buf", "backend"), donate_argnames=("cache", "dcache"))
-def spec_decode(graphdef, params, prop: Proposer, dparams, spec: SpecConfig, cache: KVCache, dcache: KVCache, last_h, last_feat,
-                st: SamplingTensors, max_new_tokens, stop_ids, buf: int, backend="xla"):
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "prop", "spec", "buf", "backend"), donate_argnames=("cache", "dcache")
+)
+def spec_decode(
+    graphdef,
+    params,
+    prop: Proposer,
+    dparams,
+    spec: SpecConfig,
+    cache: KVCache,
+    dcache: KVCache,
+    last_h,
+    last_feat,
+    st: SamplingTensors,
+    max_new_tokens,
+    stop_ids,
+    buf: int,
+    backend="xla",
+):
     """First token from the prefill, draft extend over it, then rounds in a while_loop.
 
     Returns ((out [B, buf], num_out [B], finish [B], verify_ct [B], hist [B, D + 2]), caches); the
@@ -171,19 +241,35 @@ def spec_decode(graphdef, params, prop: Proposer, dparams, spec: SpecConfig, cac
     b = last_h.shape[0]
     v = tgt.cfg.vocab_size
     zeros = jnp.zeros((b, v), jnp.int32)
-    first = sample(tgt.logits(last_h), st, zeros, zeros > 0, jax.vmap(jax.random.fold_in)(st.keys, jnp.zeros((b,), jnp.int32)))
-    dstate = DraftState(dcache, jnp.zeros((b, prop.draft_vocab), jnp.float32),
-                        jnp.zeros((b, prop.cfg.hidden_size if prop.uses_hidden else 1), last_h.dtype))
+    first = sample(
+        tgt.logits(last_h), st, zeros, zeros > 0, jax.vmap(jax.random.fold_in)(st.keys, jnp.zeros((b,), jnp.int32))
+    )
+    dstate = DraftState(
+        dcache,
+        jnp.zeros((b, prop.draft_vocab), jnp.float32),
+        jnp.zeros((b, prop.cfg.hidden_size if prop.uses_hidden else 1), last_h.dtype),
+    )
     state = SpecState(
-        out=jnp.zeros((b, buf), jnp.int32), num_out=jnp.zeros((b,), jnp.int32), done=max_new_tokens <= 0,
-        finish=jnp.where(max_new_tokens <= 0, LENGTH, RUNNING).astype(jnp.int32), last=first, cache=cache, draft=dstate,
-        verify_ct=jnp.zeros((b,), jnp.int32), hist=jnp.zeros((b, spec.num_steps + 2), jnp.int32),
+        out=jnp.zeros((b, buf), jnp.int32),
+        num_out=jnp.zeros((b,), jnp.int32),
+        done=max_new_tokens <= 0,
+        finish=jnp.where(max_new_tokens <= 0, LENGTH, RUNNING).astype(jnp.int32),
+        last=first,
+        cache=cache,
+        draft=dstate,
+        verify_ct=jnp.zeros((b,), jnp.int32),
+        hist=jnp.zeros((b, spec.num_steps + 2), jnp.int32),
     )
     state = emit(state, first[:, None], jnp.ones((b,), jnp.int32), max_new_tokens, stop_ids)
     feats = None if last_feat is None or not prop.uses_hidden else last_feat[:, None]
-    dstate = prop.extend(dparams, tgt, state.draft, first[:, None], feats, jnp.ones((b,), jnp.int32), jnp.ones((b,), bool))
+    dstate = prop.extend(
+        dparams, tgt, state.draft, first[:, None], feats, jnp.ones((b,), jnp.int32), jnp.ones((b,), bool)
+    )
     state = dataclasses.replace(state, draft=dstate)
-    thr = (jnp.full((b,), spec.accept_threshold_single, jnp.float32), jnp.full((b,), spec.accept_threshold_acc, jnp.float32))
+    thr = (
+        jnp.full((b,), spec.accept_threshold_single, jnp.float32),
+        jnp.full((b,), spec.accept_threshold_acc, jnp.float32),
+    )
     state = jax.lax.while_loop(
         lambda s: ~jnp.all(s.done),
         lambda s: spec_round(tgt, prop, dparams, spec, s, st, max_new_tokens, stop_ids, thr, backend),

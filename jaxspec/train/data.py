@@ -18,8 +18,16 @@ from tqdm.auto import tqdm
 
 from jaxspec.errors import JaxspecError
 
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant",
-         "bard": "assistant", "system": "system"}
+ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "system": "system",
+}
 
 
 @dataclasses.dataclass
@@ -110,15 +118,21 @@ def tokenize(tokenizer, messages: list[dict], max_len: int) -> Example:
             full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
             a = tokenizer(head, add_special_tokens=False).input_ids
             b = tokenizer(full, add_special_tokens=False).input_ids
-            ids, mask = ids + a[len(ids):], mask + [0] * (len(a) - len(ids))
-            ids, mask = ids + b[len(ids):], mask + [1] * (len(b) - len(ids))
+            ids, mask = ids + a[len(ids) :], mask + [0] * (len(a) - len(ids))
+            ids, mask = ids + b[len(ids) :], mask + [1] * (len(b) - len(ids))
         if len(ids) >= max_len:
             break
     return Example(ids[:max_len], mask[:max_len])
 
 
-def regenerate(engine, convs: list[list[dict]], max_new_tokens: int, batch: int = 8, max_prompt_tokens: int = 256,
-               cache_path: str | None = None) -> list[list[dict]]:
+def regenerate(
+    engine,
+    convs: list[list[dict]],
+    max_new_tokens: int,
+    batch: int = 8,
+    max_prompt_tokens: int = 256,
+    cache_path: str | None = None,
+) -> list[list[dict]]:
     """Replaces each conversation by (its system/first user turn, the target's own greedy answer).
     Conversations whose first turn is longer than max_prompt_tokens are dropped.
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxspec.cache import KVCache
 from jaxspec.config import rope_inv_freq
 from jaxspec.models.llama import apply_rope
 
@@ -96,8 +97,6 @@ def eagle3_ttt_loss(head, embed, tokens, feats, target_logits, mask, steps: int)
 def eagle2_loss(head, embed, lm_head_fn, tokens, feats, target_logits, mask):
     """head: Eagle2Head; feats [B, L, H] final target hidden; target_logits [B, L, V];
     lm_head_fn: the target's LM head. Returns (loss, metrics)."""
-    from jaxspec.cache import KVCache
-
     b, length = tokens.shape
     t = length - 1
     emb = embed[tokens[:, 1:]]

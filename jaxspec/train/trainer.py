@@ -22,8 +22,11 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
+from convert.checkpoint import np_dtype
 from jaxspec.cache import KVCache
 from jaxspec.errors import JaxspecError
+from jaxspec.models.eagle import build_eagle, eagle3_capture_layers, eagle_config, eagle_key
+from jaxspec.models.params import module_tensors
 from jaxspec.train.data import Example, draft_vocab, pad_batch
 from jaxspec.train.losses import eagle2_loss, eagle3_ttt_loss
 
@@ -49,20 +52,37 @@ class TrainConfig:
 
 def draft_hf_config(target_cfg_dict: dict, algorithm: str, draft_vocab_size: int | None) -> dict:
     """config.json of a draft head for this target (SGLang's LlamaForCausalLMEagle[3] layout)."""
-    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
-            "max_position_embeddings", "rope_theta", "rope_scaling", "bos_token_id", "eos_token_id", "head_dim")
+    keep = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "rope_theta",
+        "rope_scaling",
+        "bos_token_id",
+        "eos_token_id",
+        "head_dim",
+    )
     cfg = {k: target_cfg_dict[k] for k in keep if target_cfg_dict.get(k) is not None}
-    cfg.update(model_type="llama", num_hidden_layers=1, hidden_act="silu", tie_word_embeddings=False,
-               architectures=["LlamaForCausalLMEagle3" if algorithm == "EAGLE3" else "LlamaForCausalLMEagle"])
+    cfg.update(
+        model_type="llama",
+        num_hidden_layers=1,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLMEagle3" if algorithm == "EAGLE3" else "LlamaForCausalLMEagle"],
+    )
     if algorithm == "EAGLE3":
         cfg["draft_vocab_size"] = draft_vocab_size
     return cfg
 
 
 class Trainer:
-    def __init__(self, target, target_cfg_dict: dict, examples: list[Example], cfg: TrainConfig, out: str, progress: bool = True):
-        from jaxspec.models.eagle import build_eagle, eagle3_capture_layers, eagle_config
-
+    def __init__(
+        self, target, target_cfg_dict: dict, examples: list[Example], cfg: TrainConfig, out: str, progress: bool = True
+    ):
         if cfg.algorithm not in ("EAGLE", "EAGLE3"):
             raise JaxspecError(f"train-draft supports EAGLE and EAGLE3, not {cfg.algorithm}")
         if not examples:
@@ -86,7 +106,9 @@ class Trainer:
             head.lm_head.kernel[...] = LM_HEAD_INIT_SCALE * jnp.asarray(w[jnp.asarray(self.ids)].T, jnp.float32)
         self.graphdef, self.params, self.rest = nnx.split(head, nnx.Param, ...)
         self.capture = eagle3_capture_layers(tcfg) if kind == "EAGLE3" else ()
-        sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1), cfg.lr * 0.1)
+        sched = optax.warmup_cosine_decay_schedule(
+            0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1), cfg.lr * 0.1
+        )
         self.tx = optax.chain(optax.clip_by_global_norm(cfg.clip), optax.adamw(sched, weight_decay=cfg.weight_decay))
         self.opt_state = self.tx.init(self.params)
         self.step = 0
@@ -119,7 +141,9 @@ class Trainer:
 
     def _update_impl(self, params, opt_state, rest, tparams, ids, mask):
         feats, tlogits = jax.lax.stop_gradient(self._features_impl(tparams, ids))
-        (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(params, rest, tparams, ids, mask, feats, tlogits)
+        (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(
+            params, rest, tparams, ids, mask, feats, tlogits
+        )
         updates, opt_state = self.tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, metrics
 
@@ -131,7 +155,9 @@ class Trainer:
         for s in range(0, len(examples), self.cfg.batch_size):
             ids, mask = pad_batch(examples[s : s + self.cfg.batch_size], self.cfg.max_len)
             feats, tlogits = self._features(self._tgt_params, jnp.asarray(ids))
-            loss, m = loss_fn(self.params, self.rest, self._tgt_params, jnp.asarray(ids), jnp.asarray(mask), feats, tlogits)
+            loss, m = loss_fn(
+                self.params, self.rest, self._tgt_params, jnp.asarray(ids), jnp.asarray(mask), feats, tlogits
+            )
             for k, v in {"loss": loss, **m}.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
             n += 1
@@ -161,7 +187,9 @@ class Trainer:
     def _ckpt_manager(self):
         import orbax.checkpoint as ocp
 
-        return ocp.CheckpointManager(os.path.abspath(os.path.join(self.out, "ckpt")), options=ocp.CheckpointManagerOptions(max_to_keep=2))
+        return ocp.CheckpointManager(
+            os.path.abspath(os.path.join(self.out, "ckpt")), options=ocp.CheckpointManagerOptions(max_to_keep=2)
+        )
 
     def restore(self) -> bool:
         import orbax.checkpoint as ocp
@@ -188,12 +216,25 @@ class Trainer:
 
     def train(self) -> list[dict]:
         os.makedirs(self.out, exist_ok=True)
-        bar = tqdm(total=self.cfg.steps, initial=self.step, desc=f"train {self.cfg.algorithm} head", unit="step", disable=not self.progress)
+        bar = tqdm(
+            total=self.cfg.steps,
+            initial=self.step,
+            desc=f"train {self.cfg.algorithm} head",
+            unit="step",
+            disable=not self.progress,
+        )
         t0 = time.perf_counter()
         for step, (ids, mask) in self._batches():
-            self.params, self.opt_state, loss, m = self._update(self.params, self.opt_state, self.rest, self._tgt_params, jnp.asarray(ids), jnp.asarray(mask))
+            self.params, self.opt_state, loss, m = self._update(
+                self.params, self.opt_state, self.rest, self._tgt_params, jnp.asarray(ids), jnp.asarray(mask)
+            )
             self.step = step + 1
-            row = {"step": self.step, "loss": float(loss), **{k: float(v) for k, v in m.items()}, "time_s": time.perf_counter() - t0}
+            row = {
+                "step": self.step,
+                "loss": float(loss),
+                **{k: float(v) for k, v in m.items()},
+                "time_s": time.perf_counter() - t0,
+            }
             self.log.append(row)
             bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row.get('acc_0', 0):.3f}")
             bar.update(1)
@@ -209,10 +250,6 @@ class Trainer:
     def export(self, dtype: str = "bfloat16") -> str:
         """Writes config.json + model.safetensors in the public draft layout; returns the path."""
         from safetensors.numpy import save_file
-
-        from convert.checkpoint import np_dtype
-        from jaxspec.models.eagle import eagle_key
-        from jaxspec.models.params import module_tensors
 
         head = nnx.merge(self.graphdef, self.params, self.rest)
         t = module_tensors(head, eagle_key)
@@ -251,10 +288,12 @@ def write_loss_svg(log: list[dict], path: str, width: int = 640, height: int = 3
 
     loss_line, llo, lhi = poly([r["loss"] for r in log], "#c0392b")
     acc_line, alo, ahi = poly([r.get("acc_0", 0.0) for r in log], "#2471a3")
-    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">'
-           f'<rect width="100%" height="100%" fill="white"/>{loss_line}{acc_line}'
-           f'<text x="{pad}" y="20" fill="#c0392b">loss {lhi:.3f} .. {llo:.3f}</text>'
-           f'<text x="{pad + 200}" y="20" fill="#2471a3">step-0 accuracy {alo:.3f} .. {ahi:.3f}</text>'
-           f'<text x="{pad}" y="{height - 10}">step {int(steps[0])}</text><text x="{width - pad - 60}" y="{height - 10}">step {int(steps[-1])}</text></svg>')
+    svg = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">'
+        f'<rect width="100%" height="100%" fill="white"/>{loss_line}{acc_line}'
+        f'<text x="{pad}" y="20" fill="#c0392b">loss {lhi:.3f} .. {llo:.3f}</text>'
+        f'<text x="{pad + 200}" y="20" fill="#2471a3">step-0 accuracy {alo:.3f} .. {ahi:.3f}</text>'
+        f'<text x="{pad}" y="{height - 10}">step {int(steps[0])}</text><text x="{width - pad - 60}" y="{height - 10}">step {int(steps[-1])}</text></svg>'
+    )
     with open(path, "w") as f:
         f.write(svg)

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxspec.cache import KVCache
+from jaxspec.errors import JaxspecError
 
 
 @jax.tree_util.register_dataclass
@@ -77,14 +78,14 @@ class Proposer:
 
 def load_token_map(path: str, vocab_size: int) -> np.ndarray:
     """FR-Spec token map: a list of target token ids as .pt (torch list/tensor), .npy, or text."""
-    from jaxspec.errors import JaxspecError
-
     try:
         if path.endswith(".pt"):
             try:
                 import torch
             except ImportError:
-                raise JaxspecError(f"{path} is a torch file; install torch or pass the token map as .npy or text") from None
+                raise JaxspecError(
+                    f"{path} is a torch file; install torch or pass the token map as .npy or text"
+                ) from None
             ids = np.asarray(torch.load(path, map_location="cpu", weights_only=True), dtype=np.int64)
         elif path.endswith(".npy"):
             ids = np.load(path)

@@ -16,8 +16,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from convert.sources import open_hf_dir
 from jaxspec.decode import pick_rows
 from jaxspec.errors import JaxspecError
+from jaxspec.loader import jnp_dtype
+from jaxspec.models.eagle import build_eagle, eagle3_capture_layers, eagle_config, eagle_key
+from jaxspec.models.mtp import build_mtp, mtp_config, mtp_key, mtp_layout
+from jaxspec.models.params import load_module
 from jaxspec.speculative.proposers.base import DraftState, Proposer, load_token_map
 
 logger = logging.getLogger("jaxspec")
@@ -77,22 +82,15 @@ class EagleProposer(Proposer):
 
 
 def _strip(name: str) -> str:
-    return name[len("model."):] if name.startswith("model.") else name
+    return name[len("model.") :] if name.startswith("model.") else name
 
 
 def load_eagle(spec, target, dtype, progress=True):
-    from convert.sources import open_hf_dir
-    from jaxspec.loader import jnp_dtype
-    from jaxspec.models.eagle import build_eagle, eagle3_capture_layers, eagle_config, eagle_key
-    from jaxspec.models.params import load_module
-
     path = spec.draft_model_path
     if not os.path.isdir(path):
         raise JaxspecError(f"EAGLE draft path must be a directory with config.json and weights: {path}")
     src = open_hf_dir(path, check_config=False)
     if spec.algorithm == "EAGLE":
-        from jaxspec.models.mtp import mtp_layout
-
         layout = mtp_layout(src.config, src.names)
         if layout is not None:
             return load_mtp(spec, target, dtype, src, layout, progress)
@@ -105,8 +103,16 @@ def load_eagle(spec, target, dtype, progress=True):
     names = {_strip(n): n for n in src.names}
     jdt = jnp_dtype(dtype)
     ignore = lambda n: n in ("t2d", "embed_tokens.weight", "lm_head.weight") or n.endswith("rotary_emb.inv_freq")
-    head = load_module(lambda: build_eagle(kind, cfg, extra, jdt, nnx.Rngs(0)), eagle_key, names, lambda n: src.get(names[n]), jdt, progress,
-                       desc=f"loading {os.path.basename(path.rstrip('/'))}", ignore=ignore)
+    head = load_module(
+        lambda: build_eagle(kind, cfg, extra, jdt, nnx.Rngs(0)),
+        eagle_key,
+        names,
+        lambda n: src.get(names[n]),
+        jdt,
+        progress,
+        desc=f"loading {os.path.basename(path.rstrip('/'))}",
+        ignore=ignore,
+    )
     graphdef, params = nnx.split(head)
     dparams = {"draft": params}
     eagle3 = kind == "EAGLE3"
@@ -125,21 +131,23 @@ def load_eagle(spec, target, dtype, progress=True):
             dparams["token_map"] = jnp.asarray(ids)
             dparams["head"] = jnp.asarray(w[:, ids], jdt)
             vocab = len(ids)
-    prop = EagleProposer(graphdef, cfg, root_in_region=False, shift=1, draft_vocab=vocab, capture_layers=capture, uses_hidden=True, eagle3=eagle3)
+    prop = EagleProposer(
+        graphdef,
+        cfg,
+        root_in_region=False,
+        shift=1,
+        draft_vocab=vocab,
+        capture_layers=capture,
+        uses_hidden=True,
+        eagle3=eagle3,
+    )
     return prop, dparams
-
-
-
 
 
 def load_mtp(spec, target, dtype, src, layout, progress=True):
     """An MTP module (DeepSeek NextN or MiMo layout) from `src` (the target's own checkpoint or a
     separate one) as an EAGLE-path proposer: target features are the final normed hidden, logits
     come from the target's LM head, multi-step drafting feeds the module's output back."""
-    from jaxspec.loader import jnp_dtype
-    from jaxspec.models.mtp import build_mtp, mtp_config, mtp_key
-    from jaxspec.models.params import load_module
-
     kind, prefix = layout
     cfg = mtp_config(src.config)
     if cfg.hidden_size != target.cfg.hidden_size:
@@ -149,9 +157,25 @@ def load_mtp(spec, target, dtype, src, layout, progress=True):
     shared = (prefix + "embed_tokens.weight", prefix + "shared_head.head.weight")  # the target's own are used
     names = [n for n in src.names if n.startswith(prefix) and n not in shared]
     jdt = jnp_dtype(dtype)
-    head = load_module(lambda: build_mtp(kind, cfg, jdt, nnx.Rngs(0)), mtp_key(prefix), names, src.get, jdt, progress,
-                       desc=f"loading the {kind} MTP module", ignore=lambda n: n.endswith("rotary_emb.inv_freq"))
+    head = load_module(
+        lambda: build_mtp(kind, cfg, jdt, nnx.Rngs(0)),
+        mtp_key(prefix),
+        names,
+        src.get,
+        jdt,
+        progress,
+        desc=f"loading the {kind} MTP module",
+        ignore=lambda n: n.endswith("rotary_emb.inv_freq"),
+    )
     graphdef, params = nnx.split(head)
-    prop = EagleProposer(graphdef, cfg, root_in_region=False, shift=1, draft_vocab=target.cfg.vocab_size, capture_layers=(),
-                         uses_hidden=True, eagle3=False)
+    prop = EagleProposer(
+        graphdef,
+        cfg,
+        root_in_region=False,
+        shift=1,
+        draft_vocab=target.cfg.vocab_size,
+        capture_layers=(),
+        uses_hidden=True,
+        eagle3=False,
+    )
     return prop, {"draft": params}

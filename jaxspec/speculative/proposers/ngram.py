@@ -113,7 +113,7 @@ def select_nodes(valid, rep, count, mlen, n_nodes: int, cfg):
         # rank among siblings (unique nodes at the same depth under the same parent prefix), by their
         # best occurrence: longest match, then most recent (SGLang: longest anchor first, children by recency)
         parent_rep = jnp.concatenate([jnp.zeros((b, k, 1), jnp.int32), rep[:, :, :-1]], 2)  # [B, K, D]
-        sib = (unique[:, None, :, :] & (parent_rep[:, None, :, :] == parent_rep[:, :, None, :]))  # [B, K(c), K(c''), D]
+        sib = unique[:, None, :, :] & (parent_rep[:, None, :, :] == parent_rep[:, :, None, :])  # [B, K(c), K(c''), D]
         rank = (sib & (c[:, None, :, :] < c[:, :, None, :])).sum(2)  # [B, K, D]
         kept = unique & (rank < breadth)
         alive = _prefix_alive(kept, parent_rep)  # a node survives only if its whole prefix does
@@ -179,7 +179,9 @@ class NgramProposer(Proposer):
         h = state.cache
         b, t = tokens.shape
         i = jnp.arange(t)[None, :]
-        cols = jnp.where((i < n_block[:, None]) & active[:, None], h.lengths[:, None] + i, h.max_len)  # out of range: dropped
+        cols = jnp.where(
+            (i < n_block[:, None]) & active[:, None], h.lengths[:, None] + i, h.max_len
+        )  # out of range: dropped
         buf = h.tokens.at[jnp.arange(b)[:, None], cols].set(tokens, mode="drop")
         lengths = jnp.minimum(h.lengths + jnp.where(active, n_block, 0), h.max_len)
         return dataclasses.replace(state, cache=NgramHistory(buf, lengths.astype(jnp.int32)))
@@ -188,7 +190,9 @@ class NgramProposer(Proposer):
         h = state.cache
         corpus = dparams["corpus"]  # [C]
         b = h.tokens.shape[0]
-        seq = jnp.concatenate([jnp.broadcast_to(corpus[None, :], (b, corpus.shape[0])), jnp.full((b, 1), SEP, jnp.int32), h.tokens], 1)
+        seq = jnp.concatenate(
+            [jnp.broadcast_to(corpus[None, :], (b, corpus.shape[0])), jnp.full((b, 1), SEP, jnp.int32), h.tokens], 1
+        )
         return ngram_tree(seq, h.lengths + corpus.shape[0] + 1, last, self.ngram, spec.num_draft_tokens)
 
 
@@ -215,6 +219,15 @@ class Corpus:
 
 
 def load_ngram(spec, target):
-    prop = NgramProposer(graphdef=None, cfg=target.cfg, root_in_region=False, shift=0, draft_vocab=1, capture_layers=(),
-                         uses_hidden=False, builds_tree=True, ngram=spec.ngram)
+    prop = NgramProposer(
+        graphdef=None,
+        cfg=target.cfg,
+        root_in_region=False,
+        shift=0,
+        draft_vocab=1,
+        capture_layers=(),
+        uses_hidden=False,
+        builds_tree=True,
+        ngram=spec.ngram,
+    )
     return prop, {"corpus": Corpus(spec.ngram.capacity).device()}

@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxspec.decode import pick_rows
 from jaxspec.errors import JaxspecError
+from jaxspec.loader import jnp_dtype, load
 from jaxspec.speculative.proposers.base import DraftState, Proposer, load_token_map
 
 
@@ -51,8 +52,6 @@ class StandaloneProposer(Proposer):
 
 
 def load_standalone(spec, target, dtype, progress=True):
-    from jaxspec.loader import jnp_dtype, load
-
     d = load(spec.draft_model_path, dtype, progress=progress, with_tokenizer=target.tokenizer is not None)
     if d.cfg.vocab_size != target.cfg.vocab_size:
         raise JaxspecError(
@@ -60,7 +59,9 @@ def load_standalone(spec, target, dtype, progress=True):
             f"{target.cfg.vocab_size}; the draft must share the target's tokenizer"
         )
     if target.tokenizer is not None and d.tokenizer.get_vocab() != target.tokenizer.get_vocab():
-        raise JaxspecError(f"STANDALONE draft {spec.draft_model_path} uses a different tokenizer vocabulary than the target")
+        raise JaxspecError(
+            f"STANDALONE draft {spec.draft_model_path} uses a different tokenizer vocabulary than the target"
+        )
     graphdef, params = nnx.split(d.model)
     dparams = {"draft": params}
     vocab = d.cfg.vocab_size
