@@ -36,9 +36,8 @@ class KVCache:
     rows: jax.Array | None = None  # [n] int32 slots of a view; None = all slots
     span: int | None = dataclasses.field(default=None, metadata=dict(static=True))  # columns attention reads
     prefix: bool = dataclasses.field(default=False, metadata=dict(static=True))  # rows == arange(n): read by slicing
-    sharding: object = dataclasses.field(
-        default=None, metadata=dict(static=True)
-    )  # NamedSharding of k, v (tensor parallel) or None
+    # NamedSharding of k, v (tensor parallel) or None
+    sharding: object = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
     def create(cls, cfg: ModelConfig, batch: int, max_len: int, dtype, sharding=None) -> KVCache:

@@ -33,9 +33,8 @@ from server.launch import cmd_serve
 
 def _add_engine_args(p: argparse.ArgumentParser, multi_host: bool = True) -> None:
     add_arguments(p, ModelArgs)
-    if (
-        multi_host
-    ):  # not serve: it runs on one host for now (other hosts would have to replay the scheduler's device calls)
+    # not serve: it runs on one host for now (other hosts would have to replay the scheduler's device calls)
+    if multi_host:
         add_arguments(p, MultiHostArgs)
     add_arguments(p, SpeculativeArgs)
 

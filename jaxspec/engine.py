@@ -122,9 +122,8 @@ class Engine:
         self.backend = attention_backend
         self.spec = SpecConfig.resolve(args, self.cfg, bundled=_draft_from_target(_loaded, args.algorithm))
         self.speculative_algorithm = self.spec.algorithm
-        self._spec_auto = (
-            args.speculative_algorithm is None and self.spec.enabled
-        )  # a shipped draft, not the user's choice
+        # a shipped draft, not the user's choice
+        self._spec_auto = args.speculative_algorithm is None and self.spec.enabled
         self.proposer: Proposer | None = None
         self.dparams: dict[str, Any] | None = None
         if self.spec.enabled:

@@ -192,9 +192,8 @@ def create_app(
                     e = await asyncio.wait_for(q.get(), timeout=1.0)
                 except TimeoutError:
                     e = None
-                if (
-                    time.monotonic() - checked >= 1.0
-                ):  # also while events keep coming (a non-streaming client is not watched otherwise)
+                # also while events keep coming (a non-streaming client is not watched otherwise)
+                if time.monotonic() - checked >= 1.0:
                     checked = time.monotonic()
                     if await request.is_disconnected():
                         sched.cancel(req)

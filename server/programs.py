@@ -97,9 +97,8 @@ class Programs:
         self.background_total = 0
         self.background_done = 0
         self.idle_only = jax.devices()[0].platform == "cpu"  # background compiles only while no request runs
-        self.fresh: collections.deque = (
-            collections.deque()
-        )  # (key, program) compiled in the background, not yet run once
+        # (key, program) compiled in the background, not yet run once
+        self.fresh: collections.deque = collections.deque()
 
     # ---- shapes --------------------------------------------------------------------------------
 

@@ -74,9 +74,8 @@ class Request:
     decoding: bool = False  # prefilled: its slot takes part in dispatches
     known: int = 0  # tokens (prompt + output) whose results the host has processed
     inflight: int = 0  # dispatches enqueued for this request whose results are not processed yet
-    _stops: list[int] = dataclasses.field(
-        default_factory=list
-    )  # stop token ids (EOS, stop_token_ids, 1-token stop strings)
+    # stop token ids (EOS, stop_token_ids, 1-token stop strings)
+    _stops: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -132,9 +131,8 @@ class Stats:
     generation_tokens: int = 0
     spec_tokens: int = 0  # tokens of finished speculative requests
     spec_verify_ct: int = 0  # their rounds
-    recent: collections.deque = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=4096)
-    )  # (time, new tokens)
+    # (time, new tokens)
+    recent: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=4096))
 
     def tokens_per_s(self, window: float = 10.0) -> float:
         now = time.perf_counter()
@@ -176,9 +174,8 @@ class Scheduler:
             eng.cfg, self.prop, self.slots, self.max_len, self.window, self.num_stop, eng.dtype, steps, eng.kv_sharding
         )
         self.busy: dict[int, Request] = {}  # slot -> request (prefilling or decoding)
-        self._prefilling: collections.deque[PrefillGroup] = (
-            collections.deque()
-        )  # admission groups with prompt chunks left
+        # admission groups with prompt chunks left
+        self._prefilling: collections.deque[PrefillGroup] = collections.deque()
         self.waiting: collections.deque[Request] = collections.deque()
         self.stats = Stats()
         self.lock = threading.Lock()  # waiting, busy, stats, cancellations

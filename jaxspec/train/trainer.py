@@ -23,6 +23,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from convert.checkpoint import np_dtype
+from jaxspec.args import flag
 from jaxspec.cache import KVCache
 from jaxspec.errors import JaxspecError
 from jaxspec.models.eagle import build_eagle, eagle3_capture_layers, eagle_config, eagle_key
@@ -36,18 +37,20 @@ LENGTH_BUCKET = 128  # training batches are padded to a multiple of this (at mos
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    algorithm: str = "EAGLE3"  # or "EAGLE"
-    steps: int = 1000
-    batch_size: int = 4
-    max_len: int = 512
-    lr: float = 3e-4
-    warmup: int = 50
-    weight_decay: float = 0.0
-    clip: float = 0.5
-    ttt_steps: int = 4  # EAGLE-3 training-time-test depth
-    draft_vocab_size: int = 8192
-    save_every: int = 200
-    seed: int = 0
+    """The training flags of `jaxspec train-draft` (each field is a flag: jaxspec/args.py)."""
+
+    algorithm: str = flag("EAGLE3", "head to train", choices=("EAGLE3", "EAGLE"))
+    steps: int = flag(1000, "optimizer steps")
+    batch_size: int = flag(4, "conversations per step")
+    max_len: int = flag(512, "tokens per training sequence (longer chats are cut)")
+    lr: float = flag(3e-4, "peak learning rate (AdamW, linear warmup then cosine decay)")
+    warmup: int = flag(50, "warmup steps")
+    weight_decay: float = flag(0.0, "AdamW weight decay")
+    clip: float = flag(0.5, "global gradient-norm clip")
+    ttt_steps: int = flag(4, "EAGLE-3 training-time-test depth")
+    draft_vocab_size: int = flag(8192, "EAGLE-3 draft vocabulary (most frequent assistant tokens)")
+    save_every: int = flag(200, "orbax checkpoint interval (steps)")
+    seed: int = flag(0, "initialisation and data-order seed")
 
 
 def draft_hf_config(target_cfg_dict: dict, algorithm: str, draft_vocab_size: int | None) -> dict:
