@@ -56,8 +56,8 @@ class ModelArgs:
     )
     max_running_requests: int | None = flag(
         None,
-        "most requests decoded together (generate/bench: batch size of one compiled decode, default 8; "
-        "serve: request slots, default what fits in --mem-fraction-static, at most 8 on CPU / 64 on GPU)",
+        "most requests decoded together (generate: batch size of one compiled decode, default 8; bench: set by "
+        "--batch-size; serve: request slots, default what fits in --mem-fraction-static, at most 8 on CPU / 64 on GPU)",
     )
     chunked_prefill_size: int = flag(512, "prompt tokens per prefill chunk")
     attention_backend: str | None = flag(
@@ -76,7 +76,7 @@ class ModelArgs:
             raise JaxspecError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.chunked_prefill_size < 1:
             raise JaxspecError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
-        if self.context_length is not None and self.context_length < 2:
+        if self.context_length not in (None, 0) and self.context_length < 2:  # 0: the model's own, as unset
             raise JaxspecError(f"context_length must be >= 2, got {self.context_length}")
         if self.tp_size < 1:
             raise JaxspecError(f"tp_size must be >= 1, got {self.tp_size}")
@@ -171,7 +171,9 @@ class SpeculativeArgs:
     def validate(self) -> None:
         """The checks that need no model (run before loading anything)."""
         algo = self.algorithm
-        if algo is not None and algo not in SPEC_ALGORITHMS:
+        if algo is None:  # the target decides (a shipped draft, or none); SpecConfig.resolve checks then
+            return
+        if algo not in SPEC_ALGORITHMS:
             raise JaxspecError(
                 f"unknown speculative_algorithm {self.speculative_algorithm!r}; choose one of {', '.join(SPEC_ALGORITHMS)}"
             )
@@ -234,7 +236,7 @@ class SpeculativeArgs:
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineArgs(ModelArgs, SpeculativeArgs):
+class EngineArgs(SpeculativeArgs, ModelArgs):  # fields: the model's first, then the speculative ones
     """What `Engine(**kwargs)` and `jaxspec.generate(..., **kwargs)` accept: the model's and the
     speculative flags, by their flag names with underscores."""
 
@@ -290,10 +292,10 @@ class ServerArgs:
         for name in ("max_queued_requests", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise JaxspecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("num_continuous_decode_steps", "cuda_graph_max_bs"):
+        for name in ("num_continuous_decode_steps", "cuda_graph_max_bs"):  # 0: auto, as unset
             v = getattr(self, name)
-            if v is not None and v < 1:
-                raise JaxspecError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+            if v is not None and v < 0:
+                raise JaxspecError(f"--{name.replace('_', '-')} must be >= 1 (or 0: auto), got {v}")
         if self.shutdown_timeout < 0:
             raise JaxspecError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
 
@@ -357,11 +359,13 @@ def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
 
 def build(cls: type[T], kwargs: dict[str, Any], what: str = "argument") -> T:
     """cls(**kwargs), with an unknown name reported as a JaxspecError naming the known ones."""
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(kwargs) - names)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(kwargs) - set(fields))
     if unknown:
-        raise JaxspecError(f"unknown {what} {unknown[0]!r}; known: {', '.join(sorted(names))}")
-    return cls(**kwargs)
+        raise JaxspecError(f"unknown {what} {unknown[0]!r}; known: {', '.join(sorted(fields))}")
+    # None for a field with a default means that default (as an unset flag)
+    given = {k: v for k, v in kwargs.items() if v is not None or fields[k].default is None}
+    return cls(**given)
 
 
 # `jaxspec generate`'s sampling flags are SamplingParams' fields; only the default temperature differs

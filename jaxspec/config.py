@@ -239,8 +239,10 @@ class SpecConfig:
         a = args or SpeculativeArgs()
         a.validate()
         algo = a.algorithm
-        if algo is None:
+        if algo is None:  # unset: the target's shipped draft, if any, with the flags checked for it
             algo = bundled[0] if bundled else "NONE"
+            if algo != "NONE":
+                dataclasses.replace(a, speculative_algorithm=algo).validate()
         if algo == "NONE":
             return cls()
         single, acc = float(a.speculative_accept_threshold_single), float(a.speculative_accept_threshold_acc)

@@ -153,9 +153,8 @@ class Programs:
         spans, sizes = self.spans(), self.sizes()
         keys = [("dispatch", 1, x) for x in spans]
         keys += [("dispatch", n, x) for x in spans for n in sizes]
-        keys += [
-            ("chunk", 1, c, spans[0]) for c in self.chunk_sizes() if c < spans[0]
-        ]  # tiny prompts under a large min span
+        # tiny prompts under a large min span
+        keys += [("chunk", 1, c, spans[0]) for c in self.chunk_sizes() if c < spans[0]]
         for n in sizes[1:]:
             keys.append(("finish", n))
             keys += [("chunk", n, self.chunk_for(x), x) for x in spans if x <= 512]

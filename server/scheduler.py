@@ -618,9 +618,8 @@ class Scheduler:
         if reason is not None:
             with self.lock:
                 if self.busy.get(r.slot) is r:
-                    del self.busy[
-                        r.slot
-                    ]  # a stop-string finish may still run on the device: the next dispatch stops it
+                    # a stop-string finish may still run on the device: the next dispatch stops it
+                    del self.busy[r.slot]
                 self._finish(r, reason)
 
     def _detok(self, r: Request, final: bool) -> tuple[str, dict | None]:

@@ -165,9 +165,21 @@ def test_flags_are_checked_before_loading(kw, match):
     [
         (dict(port=0), "--port"),
         (dict(mem_fraction_static=1.5), "mem-fraction-static"),
-        (dict(num_continuous_decode_steps=0), "num-continuous-decode-steps"),
+        (dict(num_continuous_decode_steps=-1), "num-continuous-decode-steps"),
     ],
 )
 def test_server_flags_are_checked(kw, match):
     with pytest.raises(JaxspecError, match=match):
         ServerArgs(**kw).validate()
+
+
+def test_unset_flags_keep_their_old_meaning():
+    """An unset algorithm leaves the speculative knobs to the target (checked only if it ships a
+    draft); None means the default, 0 means auto for the context length and the server's sizes."""
+    EngineArgs(speculative_num_steps=3).validate()  # a target without a shipped draft ignores it
+    EngineArgs(context_length=0).validate()
+    ServerArgs(num_continuous_decode_steps=0, cuda_graph_max_bs=0).validate()
+    e = build(EngineArgs, {"speculative_ngram_capacity": None, "chunked_prefill_size": None, "model_path": None})
+    assert e.speculative_ngram_capacity == 10 * 1000 * 1000 and e.chunked_prefill_size == 512
+    fields = [f.name for f in dataclasses.fields(EngineArgs)]
+    assert fields.index("model_path") < fields.index("speculative_algorithm")  # model flags first

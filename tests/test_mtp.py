@@ -88,11 +88,8 @@ def test_mtp_from_a_separate_checkpoint(models):
     eng, out = gen(
         models["llama-plain"], speculative_algorithm="EAGLE", speculative_draft_model_path=models["nextn-only"]
     )
-    assert (eng.spec.num_steps, eng.spec.eagle_topk, eng.spec.num_draft_tokens) == (
-        5,
-        4,
-        8,
-    )  # Llama-family auto defaults
+    # Llama-family auto defaults
+    assert (eng.spec.num_steps, eng.spec.eagle_topk, eng.spec.num_draft_tokens) == (5, 4, 8)
     assert [r["output_ids"] for r in out] == [r["output_ids"] for r in plain]
 
 

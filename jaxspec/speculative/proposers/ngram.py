@@ -179,9 +179,8 @@ class NgramProposer(Proposer):
         h = state.cache
         b, t = tokens.shape
         i = jnp.arange(t)[None, :]
-        cols = jnp.where(
-            (i < n_block[:, None]) & active[:, None], h.lengths[:, None] + i, h.max_len
-        )  # out of range: dropped
+        # columns out of range are dropped
+        cols = jnp.where((i < n_block[:, None]) & active[:, None], h.lengths[:, None] + i, h.max_len)
         buf = h.tokens.at[jnp.arange(b)[:, None], cols].set(tokens, mode="drop")
         lengths = jnp.minimum(h.lengths + jnp.where(active, n_block, 0), h.max_len)
         return dataclasses.replace(state, cache=NgramHistory(buf, lengths.astype(jnp.int32)))
