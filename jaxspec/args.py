@@ -1,4 +1,7 @@
-"""Every flag of `jaxspec generate`, `serve` and `bench`, written once.
+"""The model, speculative and server flags of `jaxspec generate`, `serve` and `bench`, written once.
+(Sampling flags are SamplingParams' fields, train-draft's are TrainConfig's; both go through
+`add_arguments` / `add_sampling_arguments` below. Command-specific inputs such as `--prompt` or
+bench's sweep lists stay with their command.)
 
 Four dataclasses hold them, as SGLang's `ServerArgs` does: each field is one flag with its default,
 its help text and its choices; `validate()` holds the checks that need no model.
