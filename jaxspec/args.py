@@ -325,18 +325,13 @@ def _scalar_type(tp: Any) -> type:
     return tp
 
 
-def own_fields(cls: type) -> list[dataclasses.Field]:
-    """cls's flags, in declaration order."""
-    return list(dataclasses.fields(cls))
-
-
 def add_arguments(
     parser: argparse.ArgumentParser, cls: type, title: str | None = None, only: tuple[str, ...] | None = None
 ) -> None:
     """One argparse group with a `--field-name` option per field of cls (`only`: a subset)."""
     group = parser.add_argument_group(title or GROUPS.get(cls, cls.__name__))
     hints = typing.get_type_hints(cls)
-    for f in own_fields(cls):
+    for f in dataclasses.fields(cls):
         if only is not None and f.name not in only:
             continue
         tp = _scalar_type(hints[f.name])
@@ -415,7 +410,7 @@ def flag_table() -> str:
         out.append(f"**{GROUPS[cls]}** — `jaxspec {'`, `'.join(cmds)}`\n")
         out.append("| flag | default | meaning |")
         out.append("|---|---|---|")
-        for f in own_fields(cls):
+        for f in dataclasses.fields(cls):
             default = "" if f.default is None else f"`{f.default}`"
             choices = f"; one of {', '.join(f.metadata['choices'])}" if f.metadata["choices"] else ""
             out.append(f"| `{option(f.name)}` | {default} | {f.metadata['help'].replace('|', '/')}{choices} |")
