@@ -89,13 +89,14 @@ def init_state(cache: KVCache, prompt, prompt_lens, max_new_tokens, vocab: int, 
     )
 
 
-def record(state: DecodeState, logits, st: SamplingTensors, max_new_tokens, stop_ids) -> DecodeState:
+def record(state: DecodeState, logits, st: SamplingTensors, max_new_tokens, stop_ids, sampled=True) -> DecodeState:
     """Samples one token per active slot from logits [B, V] and updates outputs and finish flags.
+    sampled (static): some slot has temperature > 0 (False: argmax only).
 
     stop_ids: [B, K] int32 (-1 padded) tokens that end a request (EOS unless ignore_eos, stop_token_ids)."""
     b = logits.shape[0]
     keys = jax.vmap(jax.random.fold_in)(st.keys, state.num_out)
-    tok = sample(logits, st, state.counts, state.seen, keys)
+    tok = sample(logits, st, state.counts, state.seen, keys, sampled)
     active = ~state.done
     rows = jnp.arange(b)
     col = state.num_out if state.base is None else state.num_out - state.base
@@ -118,16 +119,16 @@ def record(state: DecodeState, logits, st: SamplingTensors, max_new_tokens, stop
     )
 
 
-def decode_step(model, state: DecodeState, st, max_new_tokens, stop_ids, backend="xla") -> DecodeState:
+def decode_step(model, state: DecodeState, st, max_new_tokens, stop_ids, backend="xla", sampled=True) -> DecodeState:
     """Feeds each slot's last token, writes its KV, samples the next token."""
     cache = state.cache
     h, cache, _ = model(state.last[:, None], cache.lengths[:, None], cache, backend=backend)
     cache = dataclasses.replace(cache, lengths=cache.lengths + (~state.done))
     logits = model.logits(h[:, 0])
-    return record(dataclasses.replace(state, cache=cache), logits, st, max_new_tokens, stop_ids)
+    return record(dataclasses.replace(state, cache=cache), logits, st, max_new_tokens, stop_ids, sampled)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "buf", "backend"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "buf", "backend", "sampled"), donate_argnames=("cache",))
 def decode(
     graphdef,
     params,
@@ -140,6 +141,7 @@ def decode(
     stop_ids,
     buf: int,
     backend="xla",
+    sampled: bool = True,
 ):
     """Samples the first token from the prefill's last hidden state, then decodes in a while_loop.
 
@@ -147,13 +149,13 @@ def decode(
     max_new_tokens: [B] int32 (<= buf); stop_ids: [B, K]. Returns (out [B, buf], num_out [B], finish [B], cache)."""
     model = nnx.merge(graphdef, params)
     state = init_state(cache, prompt, prompt_lens, max_new_tokens, model.cfg.vocab_size, buf)
-    state = record(state, model.logits(last_h), st, max_new_tokens, stop_ids)
+    state = record(state, model.logits(last_h), st, max_new_tokens, stop_ids, sampled)
 
     def cond(s):
         return ~jnp.all(s.done)
 
     def body(s):
-        return decode_step(model, s, st, max_new_tokens, stop_ids, backend)
+        return decode_step(model, s, st, max_new_tokens, stop_ids, backend, sampled)
 
     state = jax.lax.while_loop(cond, body, state)
     return state.out, state.num_out, state.finish, state.cache

@@ -36,6 +36,7 @@ from jaxspec.decode import decode, prefill_chunk
 from jaxspec.drafts import bundled_draft_for
 from jaxspec.errors import JaxspecError
 from jaxspec.loader import LoadedModel, jnp_dtype, load
+from jaxspec.models.llama import fuse_projections
 from jaxspec.models.mtp import mtp_layout
 from jaxspec.requests import (
     bucket,
@@ -46,7 +47,7 @@ from jaxspec.requests import (
     make_result,
     stop_token_ids,
 )
-from jaxspec.sampling import SamplingParams, SamplingTensors
+from jaxspec.sampling import SamplingParams, SamplingTensors, any_sampled
 from jaxspec.sharding import check_heads, kv_sharding, make_mesh, replicate, shard_params
 from jaxspec.speculative.loop import spec_decode, spec_prefill_chunk
 from jaxspec.speculative.proposers import Proposer, load_proposer
@@ -66,7 +67,9 @@ class Engine:
     """The offline engine. Takes the flags of `jaxspec generate` as keyword arguments (their names
     with underscores: jaxspec.args.EngineArgs), or one EngineArgs; the model path may come first.
 
-    skip_tokenizer_init: no tokenizer (input_ids in, output_ids out); show_progress: loading bars."""
+    skip_tokenizer_init: no tokenizer (input_ids in, output_ids out); show_progress: loading bars.
+    Target and draft run with fused q/k/v and gate/up projections (models/llama.py:fuse_projections);
+    a model passed in (`from_model`, `_loaded`) is fused as a copy and stays as it was."""
 
     def __init__(
         self,
@@ -75,6 +78,7 @@ class Engine:
         skip_tokenizer_init: bool = False,
         show_progress: bool = True,
         _loaded: LoadedModel | None = None,
+        _fuse: bool = True,
         **kwargs: Any,
     ):
         if isinstance(model_path, EngineArgs):
@@ -96,6 +100,7 @@ class Engine:
             raise JaxspecError(str(e)) from None
         self.tp_size = args.tp_size
         self.mesh = make_mesh(args.tp_size)  # None for tp_size 1
+        given = _loaded is not None  # the caller's model: fused as a copy, never changed
         if _loaded is None:
             _loaded = load(
                 args.model_path,
@@ -110,8 +115,9 @@ class Engine:
         self.tokenizer: Any = _loaded.tokenizer  # a transformers tokenizer, or None
         self.dtype = jnp_dtype(args.dtype)
         self.params: Any
-        self.graphdef, self.params = nnx.split(_loaded.model)
         check_heads(self.cfg, args.tp_size)
+        model = nnx.clone(_loaded.model) if given and _fuse else _loaded.model
+        self.graphdef, self.params = nnx.split(fuse_projections(model, args.tp_size) if _fuse else model)
         self.kv_sharding = kv_sharding(self.mesh)
         self.params = shard_params(self.params, self.mesh)
         self.context_length = int(args.context_length or self.cfg.max_position_embeddings)
@@ -129,6 +135,10 @@ class Engine:
         if self.spec.enabled:
             self.proposer, self.dparams = load_proposer(self.spec, _loaded, args.dtype, show_progress)
             self.proposer = dataclasses.replace(self.proposer, attention_backend=attention_backend)
+            if _fuse and "draft" in self.dparams:  # drafts are replicated: fused for one shard
+                draft: Any = self.proposer.graphdef
+                graphdef, self.dparams["draft"] = nnx.split(fuse_projections(nnx.merge(draft, self.dparams["draft"])))
+                self.proposer = dataclasses.replace(self.proposer, graphdef=graphdef)
             self.dparams = replicate(self.dparams, self.mesh)
         self._corpus: Corpus | None = None
         if self.spec.algorithm == "NGRAM":
@@ -266,6 +276,7 @@ class Engine:
             stop_arr[i, : len(s)] = s
         params_p = params + [SamplingParams(temperature=0.0)] * pad
         st = SamplingTensors.build(params_p, seeds + [0] * pad)
+        sampled = any_sampled(params)
         lens_d = jnp.asarray(lens + [1] * pad, jnp.int32)
         max_new_d = jnp.asarray(max_new + [0] * pad, jnp.int32)
         prompt_d = jnp.asarray(prompt)
@@ -274,7 +285,7 @@ class Engine:
         last_h = replicate(jnp.zeros((b, self.cfg.hidden_size), self.dtype), self.mesh)
         if spec_on:
             out, num_out, finish, verify_ct, hist = self._spec_batch(
-                cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks
+                cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks, sampled
             )
         else:
             for c in range(n_chunks):
@@ -301,6 +312,7 @@ class Engine:
                 jnp.asarray(stop_arr),
                 buf=buf,
                 backend=self.backend,
+                sampled=sampled,
             )
             out, num_out, finish = jax.device_get((out, num_out, finish))
             verify_ct, hist = num_out, None
@@ -320,7 +332,9 @@ class Engine:
             for i in range(n)
         ]
 
-    def _spec_batch(self, cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks):
+    def _spec_batch(
+        self, cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks, sampled
+    ):
         prop, b = self.proposer, prompt.shape[0]
         dcache = replicate(prop.make_cache(b, cache.max_len, self.dtype), self.mesh)
         dprompt = jnp.asarray(draft_prompt(prompt, prop.shift))
@@ -358,6 +372,7 @@ class Engine:
             jnp.asarray(stop_arr),
             buf=buf,
             backend=self.backend,
+            sampled=sampled,
         )
         return jax.device_get(res)
 

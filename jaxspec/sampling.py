@@ -4,7 +4,10 @@ The same `sample` is used by plain decoding and by speculative verification, so 
 see identical target distributions. All parameters are per-slot arrays: one compiled program
 serves any mix of greedy and sampled requests.
 
-Order (SGLang): penalties -> temperature -> top-k -> top-p -> min-p -> draw. temperature == 0 is greedy.
+Order (SGLang): penalties -> temperature -> top-k / top-p / min-p -> draw; temperature == 0 is greedy.
+The filters are applied without sorting the vocabulary (one threshold found by bisection,
+`kept_threshold`) and the draw reads the vocabulary once (`draw`), so a sampled step costs a few
+passes over the logits and nothing in the program waits on the host.
 """
 
 from __future__ import annotations
@@ -138,6 +141,12 @@ def _checked(kw: dict) -> SamplingParams:
     return p
 
 
+def any_sampled(params) -> bool:
+    """Whether some of these SamplingParams draw (temperature > 0): the `sampled` static argument
+    of the decoding programs, which leave the sampler out when it is False."""
+    return any(p.temperature > GREEDY_EPS for p in params)
+
+
 def seed_bits(seed: int) -> int:
     """A 64-bit seed (signed or unsigned) folded to the 32 bits a PRNG key is made from; seeds in
     [0, 2^32) map to themselves, so small seeds give the same streams as before folding."""
@@ -187,41 +196,106 @@ def apply_penalties(logits, st: SamplingTensors, counts, seen):
     return logits - st.presence_penalty[:, None] * (counts > 0)
 
 
-def filtered_logits(logits, st: SamplingTensors):
-    """Temperature-scaled logits with top-k/top-p/min-p applied, in descending-sorted order.
+BISECT_STEPS = 32  # halvings of the int32 key range: the threshold is exact
+DRAW_BLOCK = 256  # the draw sums the vocabulary in blocks of this many entries
 
-    Returns (sorted_logits [B, V] with -inf outside the kept set, sorted_ids [B, V])."""
-    v = logits.shape[-1]
-    scaled = logits / jnp.maximum(st.temperature, GREEDY_EPS)[:, None]
-    ids = jnp.argsort(-scaled, axis=-1)
-    vals = jnp.take_along_axis(scaled, ids, axis=-1)
-    probs = jax.nn.softmax(vals, axis=-1)
-    rank = jnp.arange(v)[None, :]
-    k = jnp.where(st.top_k > 0, st.top_k, v)[:, None]
-    keep = rank < k
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) <= st.top_p[:, None]
-    keep &= probs >= st.min_p[:, None] * probs[:, :1]
-    keep = keep.at[:, 0].set(True)
-    return jnp.where(keep, vals, -jnp.inf), ids
+
+def order_keys(z):
+    """float32 [...] -> int32 [...] in the same order (a total order on non-NaN floats), so a
+    threshold on values can be searched by halving an integer range."""
+    i = jax.lax.bitcast_convert_type(z.astype(jnp.float32), jnp.int32)
+    return i ^ ((i >> 31) & 0x7FFFFFFF)
+
+
+def kept_threshold(z, st: SamplingTensors):
+    """The filter as one threshold: z [R, V] temperature-scaled logits -> int32 key t [R] such that
+    the kept tokens are exactly those with order_keys(z) >= t. No sort.
+
+    SGLang's filters on the full-vocabulary probabilities p = softmax(z), each keeping the most
+    likely tokens, so the kept set is {z >= t} with t the largest of the three cut-offs:
+      top-k   keep z_i if fewer than k tokens have a larger z
+      top-p   keep z_i if the tokens with a larger z hold at most top_p of the mass
+      min-p   keep z_i if p_i >= min_p * max(p)
+    Tokens of equal z are kept or dropped together (a sort would cut between them by index).
+    t is the smallest key x for which no filter still cuts, i.e. none of
+    count(z > x) >= k, mass(z > x) > top_p, x < key(max z + log min_p) holds; all three are
+    monotone in x, so BISECT_STEPS halvings of the int32 range find it exactly, each one a pass
+    over [R, V]."""
+    r, v = z.shape
+    keys = order_keys(z)
+    zmax = jnp.max(z, axis=-1)
+    p = jnp.exp(z - zmax[:, None])
+    p = p / jnp.sum(p, axis=-1, keepdims=True)
+    k = jnp.where(st.top_k > 0, st.top_k, v + 1)
+    t_min = order_keys(zmax + jnp.log(st.min_p))  # -inf for min_p = 0
+
+    def cuts(x):  # [R] -> [R] bool: some filter drops tokens with key <= x
+        above = keys > x[:, None]
+        count = jnp.sum(above, axis=-1)
+        mass = jnp.sum(jnp.where(above, p, 0.0), axis=-1)
+        return (count >= k) | (mass > st.top_p) | (x < t_min)
+
+    lo = jnp.full((r,), jnp.iinfo(jnp.int32).min, jnp.int32)  # below every float's key
+    hi = order_keys(zmax)  # nothing cuts at the maximum
+    for _ in range(BISECT_STEPS):  # unrolled: straight-line code, no loop for XLA to run
+        gap = jax.lax.bitcast_convert_type(hi - lo, jnp.uint32)  # hi - lo wraps in int32; as uint32 it is exact
+        mid = lo + (gap >> 1).astype(jnp.int32)
+        c = cuts(mid)
+        lo, hi = jnp.where(c, mid, lo), jnp.where(c, hi, mid)
+    return hi
+
+
+def kept_weights(logits, st: SamplingTensors):
+    """logits [R, V] -> unnormalised probabilities [R, V] of the filtered distribution `sample`
+    draws from (temperature, top-k, top-p, min-p; zero outside the kept set). The most likely
+    token is always kept, with weight 1."""
+    z = logits.astype(jnp.float32) / jnp.maximum(st.temperature, GREEDY_EPS)[:, None]
+    t = kept_threshold(z, st)
+    zmax = jnp.max(z, axis=-1, keepdims=True)
+    return jnp.where(order_keys(z) >= t[:, None], jnp.exp(z - zmax), 0.0)
 
 
 def target_probs(logits, st: SamplingTensors):
-    """The distribution `sample` draws from, as probabilities over the vocabulary [B, V]."""
-    vals, ids = filtered_logits(logits, st)
-    p = jax.nn.softmax(vals, axis=-1)
-    return jnp.zeros_like(p).at[jnp.arange(p.shape[0])[:, None], ids].set(p)
+    """The distribution `sample` draws from, as probabilities over the vocabulary [R, V]."""
+    w = kept_weights(logits, st)
+    return w / jnp.sum(w, axis=-1, keepdims=True)
 
 
-def sample(logits, st: SamplingTensors, counts, seen, keys):
-    """logits [B, V] f32 -> tokens [B] int32. keys: typed PRNG keys [B] for this step."""
+def draw(w, u):
+    """Inverse-CDF draw: w [R, V] >= 0 (some entry > 0 per row), u [R] uniform in [0, 1) ->
+    index [R] int32 with probability w / sum(w). Two levels (block sums, then one block), so the
+    vocabulary is read once and only DRAW_BLOCK entries are scanned; one random number per row."""
+    r, v = w.shape
+    blk = min(DRAW_BLOCK, v)
+    wb = jnp.pad(w, ((0, 0), (0, -v % blk))).reshape(r, -1, blk)
+    bsum = jnp.sum(wb, axis=-1)  # [R, nb]
+    cb = jnp.cumsum(bsum, axis=-1)
+    target = u * cb[:, -1]
+    nb = bsum.shape[1]
+    # the first block whose running sum passes the target (rounding past the end: the last non-empty block)
+    last_b = jnp.max(jnp.where(bsum > 0, jnp.arange(nb), 0), axis=-1)
+    bi = jnp.minimum(jnp.sum(cb <= target[:, None], axis=-1), last_b)
+    inner = jnp.take_along_axis(wb, bi[:, None, None], axis=1)[:, 0]  # [R, blk]
+    before = jnp.take_along_axis(cb - bsum, bi[:, None], axis=1)[:, 0]
+    rest = jnp.maximum(target - before, 0.0)
+    last_i = jnp.max(jnp.where(inner > 0, jnp.arange(blk), 0), axis=-1)
+    ii = jnp.minimum(jnp.sum(jnp.cumsum(inner, axis=-1) <= rest[:, None], axis=-1), last_i)
+    return (bi * blk + ii).astype(jnp.int32)
+
+
+def uniforms(keys):
+    """One uniform in [0, 1) per typed PRNG key [R]."""
+    return jax.vmap(jax.random.uniform)(keys)
+
+
+def sample(logits, st: SamplingTensors, counts, seen, keys, sampled: bool = True):
+    """logits [B, V] f32 -> tokens [B] int32. keys: typed PRNG keys [B] for this step.
+
+    sampled (static): False when every row is greedy, so the program holds no sampler at all;
+    True handles any mix, greedy rows taking the argmax."""
     logits = apply_penalties(logits, st, counts, seen)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    is_greedy = st.temperature <= GREEDY_EPS
-
-    def draw():
-        vals, ids = filtered_logits(logits, st)
-        choice = jax.vmap(jax.random.categorical)(keys, vals)
-        return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-
-    drawn = jax.lax.cond(jnp.all(is_greedy), lambda: greedy, draw)
-    return jnp.where(is_greedy, greedy, drawn)
+    if not sampled:
+        return greedy
+    drawn = draw(kept_weights(logits, st), uniforms(keys))
+    return jnp.where(st.temperature <= GREEDY_EPS, greedy, drawn)

@@ -236,12 +236,29 @@ def admit_finish(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "prop", "spec", "k", "n_act", "span", "backend"), donate_argnames=("batch",)
+    jax.jit,
+    static_argnames=("graphdef", "prop", "spec", "k", "n_act", "span", "backend", "sampled"),
+    donate_argnames=("batch",),
 )
 def dispatch(
-    graphdef, params, prop, dparams, spec, batch: SlotBatch, kill, k: int, n_act: int, span: int, backend="xla"
+    graphdef,
+    params,
+    prop,
+    dparams,
+    spec,
+    batch: SlotBatch,
+    kill,
+    k: int,
+    n_act: int,
+    span: int,
+    backend="xla",
+    sampled: bool = True,
 ):
-    """Up to k rounds (plain: decode steps) for slots [0, n_act), stopping early when all are done.
+    """k rounds (plain: decode steps) for slots [0, n_act). On a GPU the k rounds always run (a
+    loop of known trip count: no predicate goes back to the host between rounds, so the whole
+    dispatch can stay one CUDA graph; finished slots are padding); on a CPU the loop stops early
+    once every slot is done, which saves the rounds' compute. sampled (static): some slot has
+    temperature > 0 (False: a greedy-only program, without the sampler).
 
     kill: [B] bool, slots to stop first (cancelled requests). Returns (batch, outs) with outs =
     (window tokens [n_act, W], new-token counts [n_act], done [n_act], finish [n_act],
@@ -252,18 +269,32 @@ def dispatch(
     core = sub.core
     core = dataclasses.replace(core, done=core.done | kill[:n_act], out=jnp.zeros_like(core.out), base=core.num_out)
     if prop is None:
-        step = lambda s: decode_step(tgt, s, sub.st, sub.max_new, sub.stop_ids, backend)
+        step = lambda s: decode_step(tgt, s, sub.st, sub.max_new, sub.stop_ids, backend, sampled)
     else:
         thr = (
             jnp.full((n_act,), spec.accept_threshold_single, jnp.float32),
             jnp.full((n_act,), spec.accept_threshold_acc, jnp.float32),
         )
         step = lambda s: spec_round(
-            tgt, prop, dparams, spec, s, sub.st, sub.max_new, sub.stop_ids, thr, backend, plain=sub.plain
+            tgt,
+            prop,
+            dparams,
+            spec,
+            s,
+            sub.st,
+            sub.max_new,
+            sub.stop_ids,
+            thr,
+            backend,
+            plain=sub.plain,
+            sampled=sampled,
         )
-    _, core = jax.lax.while_loop(
-        lambda c: (c[0] < k) & ~jnp.all(c[1].done), lambda c: (c[0] + 1, step(c[1])), (jnp.int32(0), core)
-    )
+    if jax.default_backend() == "cpu":
+        _, core = jax.lax.while_loop(
+            lambda c: (c[0] < k) & ~jnp.all(c[1].done), lambda c: (c[0] + 1, step(c[1])), (jnp.int32(0), core)
+        )
+    else:
+        core = jax.lax.fori_loop(0, k, lambda _, c: step(c), core)
     batch = put_rows(batch, rows, dataclasses.replace(sub, core=core))
     if prop is None:
         extra = (core.num_out, jnp.zeros((n_act, 1), jnp.int32))

@@ -3,14 +3,18 @@ PartitionSpec of every target parameter and of the KV cache (Megatron layout).
 
 Linear kernels are [in, out] (models/llama.py):
   q_proj, k_proj, v_proj, gate_proj, up_proj   column split  kernel P(None, "tp"), bias P("tp")
+  qkv_proj, gate_up_proj (fused, shard-major)  column split  kernel P(None, "tp"), bias P("tp")
   o_proj, down_proj                            row split     kernel P("tp", None), bias replicated
   embed_tokens [V, H]                          vocab split   P("tp", None)
   lm_head kernel [H, V]                        vocab split   P(None, "tp")
   norms                                        replicated
   KV cache k, v: L x [B, S, Hkv, D]            KV-head split P(None, None, "tp")
 Each device holds num_heads / tp query heads and the num_kv_heads / tp KV heads they read (GQA
-groups stay whole). A split dimension that tp does not divide (vocab, intermediate size) stays
-replicated. Drafts (EAGLE heads, STANDALONE models) and their caches are replicated.
+groups stay whole). The engine runs fused projections (models/llama.py:fuse_projections) whose
+columns are [q_0 | k_0 | v_0 | q_1 | ...] and [gate_0 | up_0 | gate_1 | ...] for tp shards, so the
+same column split hands device s its q_s, k_s, v_s (gate_s, up_s). A split dimension that tp does
+not divide (vocab, intermediate size) stays replicated. Drafts (EAGLE heads, STANDALONE models)
+and their caches are replicated.
 The target's weights go straight from the checkpoint to their shards (loader.load(mesh=...)).
 
 Nothing else changes: params and caches are placed on the mesh, the same jitted programs run over
@@ -29,7 +33,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.errors import JaxspecError
 
 AXIS = "tp"
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj")
 ROW = ("o_proj", "down_proj")
 KV_SPEC = P(None, None, AXIS)  # no trailing None: how jit spells the caches it returns, so passing them back matches
 
@@ -66,7 +70,9 @@ def param_spec(path: tuple, shape: tuple, tp: int) -> P:
         spec = (AXIS, None)
     else:
         return P()
-    if any(a == AXIS and d % tp for a, d in zip(spec, shape)):
+    # gate_up_proj [H, 2I] is split only when tp divides I (else MLP.fuse lays it out for 1 shard)
+    parts = 2 if parent == "gate_up_proj" else 1
+    if any(a == AXIS and d % (tp * parts) for a, d in zip(spec, shape)):
         return P()
     return P(*spec)
 

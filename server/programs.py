@@ -4,15 +4,18 @@ The scheduler runs three programs (jaxspec/serving.py), each specialised on a fe
 
   ("chunk", n, C, span)     admit_chunk: one prefill chunk of C tokens for n new requests
   ("finish", n)             admit_finish: their first tokens (its draft extension reads every column)
-  ("dispatch", n_act, span) dispatch: k rounds for slots [0, n_act)
+  ("dispatch", n_act, span, sampled)
+                            dispatch: k rounds for slots [0, n_act); sampled=False is a
+                            greedy-only program (no sampler), True serves any mix
 
 `span` is how many KV columns attention reads. A program for a larger n_act, C or span than a call
 needs is still correct (extra slots are stopped, extra columns are masked, a chunk is zero-padded),
-only slower. So no request has to wait for XLA: start-up compiles a *cover* set that serves any
-request within --context-length and --max-running-requests (the short shapes exactly, the rest
-through the largest programs), a background thread then compiles every other shape (most useful
-first; with the persistent compilation cache, a restart loads them from disk), and each call takes
-the cheapest program compiled so far that covers it. Only with --disable-cuda-graph (nothing
+only slower, and a sampled=True dispatch serves greedy slots too. So no request has to wait for
+XLA: start-up compiles a *cover* set that serves any request within --context-length and
+--max-running-requests (the short shapes exactly, the rest through the largest programs, all
+sampled=True), a background thread then compiles every other shape (most useful first: the
+greedy-only twins of the start-up dispatches; with the persistent compilation cache, a restart
+loads them from disk), and each call takes the cheapest program compiled so far that covers it. Only with --disable-cuda-graph (nothing
 compiled ahead) does a call compile on first use.
 """
 
@@ -143,21 +146,27 @@ class Programs:
         short = [x for x in spans if x <= 512] or spans[:1]
         keys = [("finish", 1)] + [("chunk", 1, self.chunk_for(x), x) for x in spans]
         for n in self.sizes(max_bs):
-            keys += [("dispatch", n, x) for x in short]
-        keys += [("dispatch", 1, s.max_len), ("dispatch", s.slots, s.max_len)]
+            keys += [("dispatch", n, x, True) for x in short]
+        keys += [("dispatch", 1, s.max_len, True), ("dispatch", s.slots, s.max_len, True)]
         return list(dict.fromkeys(keys))
 
     def background_keys(self) -> list[tuple]:
         """Every other shape, most useful first: one request at every span, then every batch size,
-        then admission of several requests at once (bursts of short prompts)."""
+        then admission of several requests at once (bursts of short prompts). Greedy-only twins
+        of the start-up dispatches come first, of the others last."""
         spans, sizes = self.spans(), self.sizes()
-        keys = [("dispatch", 1, x) for x in spans]
-        keys += [("dispatch", n, x) for x in spans for n in sizes]
+        greedy = lambda ks: [k[:3] + (False,) for k in ks if k[0] == "dispatch"]
+        startup = self.startup_keys(self.sched.slots)
+        keys = greedy(startup)
+        rest = [("dispatch", 1, x, True) for x in spans]
+        rest += [("dispatch", n, x, True) for x in spans for n in sizes]
+        keys += rest
         # tiny prompts under a large min span
         keys += [("chunk", 1, c, spans[0]) for c in self.chunk_sizes() if c < spans[0]]
         for n in sizes[1:]:
             keys.append(("finish", n))
             keys += [("chunk", n, self.chunk_for(x), x) for x in spans if x <= 512]
+        keys += greedy(rest)
         return [k for k in dict.fromkeys(keys) if k not in self._have()]
 
     # ---- compiling -----------------------------------------------------------------------------
@@ -179,7 +188,7 @@ class Programs:
         sds = jax.ShapeDtypeStruct
         dparams = jax.tree_util.tree_map(_spec, eng.dparams)
         if key[0] == "dispatch":
-            _, n_act, span = key
+            _, n_act, span, sampled = key
             return dispatch.lower(
                 eng.graphdef,
                 self._params_spec,
@@ -192,6 +201,7 @@ class Programs:
                 n_act=n_act,
                 span=span,
                 backend=eng.backend,
+                sampled=sampled,
             )
         if key[0] == "chunk":
             _, n, c, span = key
@@ -289,7 +299,7 @@ class Programs:
                 jnp.zeros((n, eng.cfg.vocab_size), bool),
             )
         else:  # slots [0, n_act) decode k rounds from one committed column, with no stop in sight
-            _, n, _span = key
+            _, n, _span, _sampled = key
             b = s.batch
             fresh = lambda x: dataclasses.replace(x, lengths=x.lengths.at[:n].set(1)) if isinstance(x, KVCache) else x
             core = jax.tree_util.tree_map(fresh, b.core, is_leaf=lambda x: isinstance(x, KVCache))
@@ -355,13 +365,14 @@ class Programs:
             prog = self.compile(key)
         return prog
 
-    def dispatch_key(self, n_act: int, span: int) -> tuple:
-        """The cheapest compiled ("dispatch", n', span') with n' >= n_act and span' >= span."""
-        exact = ("dispatch", n_act, span)
-        have = [k for k in self._have() if k[0] == "dispatch" and k[1] >= n_act and k[2] >= span]
+    def dispatch_key(self, n_act: int, span: int, sampled: bool = True) -> tuple:
+        """The cheapest compiled ("dispatch", n', span', s') with n' >= n_act, span' >= span and
+        s' >= sampled (a sampling program serves greedy slots, at the cost of its sampler)."""
+        exact = ("dispatch", n_act, span, sampled)
+        have = [k for k in self._have() if k[0] == "dispatch" and k[1] >= n_act and k[2] >= span and k[3] >= sampled]
         if self.lazy or exact in have or not have:
             return exact
-        return min(have, key=lambda k: k[1] * (1024 + k[2]))
+        return min(have, key=lambda k: (k[1] * (1024 + k[2]), k[3]))
 
     def finish_sizes(self) -> list[int]:
         return sorted(k[1] for k in self._have() if k[0] == "finish")

@@ -40,7 +40,7 @@ from jaxspec.requests import (
     make_result,
     stop_token_ids,
 )
-from jaxspec.sampling import SamplingParams, SamplingTensors
+from jaxspec.sampling import SamplingParams, SamplingTensors, any_sampled
 from jaxspec.serving import SlotBatch
 from server.detokenize import DetokState, detokenize
 from server.memory import MemoryPlan, plan_slots
@@ -554,7 +554,8 @@ class Scheduler:
         kill = np.ones((self.slots,), bool)
         kill[list(busy)] = False
         eng = self.eng
-        prog = self.programs.get(self.programs.dispatch_key(n_act, self._span(need)))
+        sampled = any_sampled(r.params for r in busy.values())
+        prog = self.programs.get(self.programs.dispatch_key(n_act, self._span(need), sampled))
         self.batch, outs = prog(eng.params, eng.dparams, self.batch, jnp.asarray(kill))
         self._pending.append(Pending("dispatch", [], busy, outs))
 

@@ -110,3 +110,69 @@ def test_low_precision_close_to_float32(hf_dirs, dtype):
     assert h.dtype == jnp_dtype(dtype)
     got = np.asarray(model.logits(h))
     np.testing.assert_allclose(got, hf_logits(hf, ids), atol=0.05)
+
+
+# ---- fused projections (what engines run) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "family,tp", [("llama", 1), ("llama", 2), ("llama_tied_bias", 1), ("qwen2", 2), ("mistral", 2)]
+)
+def test_fused_projections_give_unfused_logits(hf_dirs, family, tp):
+    """One q/k/v and one gate/up matmul per layer, laid out for tp shards (here on one device), give
+    the unfused logits: GQA (Nkv < Nh), with and without q/k/v bias."""
+    from flax import nnx
+
+    from jaxspec.models.llama import fuse_projections
+
+    model = load_dir(hf_dirs[family][0])
+    fused = fuse_projections(nnx.clone(model), tp)
+    attn = fused.layers[0].self_attn
+    assert not hasattr(attn, "q_proj") and (attn.qkv_proj.bias is not None) == model.cfg.qkv_bias
+    ids = np.random.default_rng(4).integers(0, 97, size=(2, 9))
+    np.testing.assert_allclose(jax_logits(fused, ids, chunk=4), jax_logits(model, ids, chunk=4), atol=1e-5, rtol=0)
+
+
+def test_fused_columns_are_shard_major(hf_dirs):
+    """At tp = 2 the fused columns are [q_0 | k_0 | v_0 | q_1 | k_1 | v_1] (and [gate_0 | up_0 | gate_1 |
+    up_1]), so a plain column split gives each device its own heads; the source model keeps its HF layout."""
+    from flax import nnx
+
+    from jaxspec.models.llama import fuse_projections
+    from jaxspec.models.params import to_hf_tensors
+    from jaxspec.sharding import param_spec
+
+    model = load_dir(hf_dirs["qwen2"][0])  # q/k/v bias, 4 heads, 2 KV heads
+    fused = fuse_projections(nnx.clone(model), 2)
+    assert "model.layers.0.self_attn.q_proj.weight" in to_hf_tensors(model)
+
+    def shard_major(*ws):
+        return np.concatenate([np.split(np.asarray(w[...]), 2, -1)[s] for s in range(2) for w in ws], -1)
+
+    for a, f in zip(model.layers, fused.layers):
+        sa, sf, ma, mf = a.self_attn, f.self_attn, a.mlp, f.mlp
+        for name in ("kernel", "bias"):
+            want = shard_major(*(getattr(p, name) for p in (sa.q_proj, sa.k_proj, sa.v_proj)))
+            np.testing.assert_array_equal(np.asarray(getattr(sf.qkv_proj, name)[...]), want)
+        np.testing.assert_array_equal(
+            np.asarray(mf.gate_up_proj.kernel[...]), shard_major(ma.gate_proj.kernel, ma.up_proj.kernel)
+        )
+    path = ("layers", 0, "mlp", "gate_up_proj", "kernel")
+    assert param_spec(path, (64, 2 * 128), 2) == param_spec(path[:3] + ("up_proj", "kernel"), (64, 128), 2)
+    assert param_spec(path, (64, 2 * 6), 4) == param_spec(path[:3] + ("up_proj", "kernel"), (64, 6), 4)
+
+
+def test_engine_fuses_a_copy(hf_dirs):
+    """Engine.from_model runs fused projections on a copy: the caller's model keeps q/k/v_proj and the
+    greedy tokens equal an unfused engine's."""
+    from jaxspec.engine import Engine
+
+    model = load_dir(hf_dirs["llama_tied_bias"][0])
+    sp = dict(temperature=0, max_new_tokens=8, ignore_eos=True)
+    fused, plain = Engine.from_model(model, show_progress=False), Engine.from_model(model, _fuse=False)
+    assert "qkv_proj" in fused.params["layers"][0]["self_attn"] and hasattr(model.layers[0].self_attn, "q_proj")
+    assert "gate_up_proj" in fused.params["layers"][1]["mlp"]
+    ids = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    assert [r["output_ids"] for r in fused.generate(input_ids=ids, sampling_params=sp)] == [
+        r["output_ids"] for r in plain.generate(input_ids=ids, sampling_params=sp)
+    ]

@@ -8,22 +8,28 @@ import numpy as np
 import pytest
 
 from jaxspec.errors import JaxspecError
-from jaxspec.sampling import SamplingParams, SamplingTensors, apply_penalties, sample, target_probs
+from jaxspec.sampling import DRAW_BLOCK, SamplingParams, SamplingTensors, apply_penalties, draw, sample, target_probs
 
 
 def np_target_probs(logits, temperature, top_k, top_p, min_p):
-    """Plain-numpy statement of SGLang's top-k -> top-p -> min-p filter."""
-    z = logits / temperature
+    """Plain-numpy statement of SGLang's top-k / top-p / min-p filter on the full-vocabulary
+    probabilities, by sorting: a token is kept when fewer than top_k tokens are more likely, the
+    tokens more likely than it hold at most top_p, and it is at least min_p times the most likely
+    (ties at a cut-off are kept or dropped together)."""
+    z = logits.astype(np.float64) / temperature
     p = np.exp(z - z.max())
     p /= p.sum()
-    order = np.argsort(-p, kind="stable")
-    ps = p[order]
+    order = np.argsort(-z, kind="stable")
+    zs, ps = z[order], p[order]
+    # for each sorted position, the first position holding the same value: tokens strictly above
+    first = np.searchsorted(-zs, -zs, side="left")
+    above_count = first
+    above_mass = np.concatenate([[0.0], np.cumsum(ps)])[first]
     keep = np.ones_like(ps, bool)
     if top_k > 0:
-        keep[top_k:] = False
-    keep &= (np.cumsum(ps) - ps) <= top_p
-    keep &= ps >= min_p * ps[0]
-    keep[0] = True
+        keep &= above_count < top_k
+    keep &= above_mass <= top_p + 1e-7
+    keep &= ps >= min_p * ps[0] * (1 - 1e-6)
     out = np.zeros_like(p)
     out[order[keep]] = ps[keep]
     return out / out.sum()
@@ -43,13 +49,67 @@ def _tensors(cases, seeds=None):
     return SamplingTensors.build(ps, seeds or list(range(len(ps))))
 
 
-def test_filters_match_numpy():
-    logits = np.random.default_rng(0).normal(size=(len(CASES), 12)).astype(np.float32) * 2
-    got = np.asarray(target_probs(jnp.asarray(logits), _tensors(CASES)))
-    for i, c in enumerate(CASES):
-        np.testing.assert_allclose(
-            got[i], np_target_probs(logits[i], c["temperature"], c["top_k"], c["top_p"], c["min_p"]), atol=1e-6
-        )
+@pytest.mark.parametrize("v", [12, 4096])
+def test_filters_match_numpy(v):
+    """At a small vocabulary and a large one where the cut-offs fall deep (top-k of thousands,
+    top-p over a flat distribution, a tiny min-p)."""
+    cases = CASES + [
+        dict(temperature=2.0, top_k=v - 3, top_p=1.0, min_p=0.0),
+        dict(temperature=3.0, top_k=-1, top_p=0.97, min_p=0.0),
+        dict(temperature=2.5, top_k=-1, top_p=1.0, min_p=0.01),
+        dict(temperature=1.5, top_k=v // 2, top_p=0.9, min_p=0.001),
+    ]
+    logits = np.random.default_rng(v).normal(size=(len(cases), v)).astype(np.float32) * 2
+    got = np.asarray(target_probs(jnp.asarray(logits), _tensors(cases)))
+    for i, c in enumerate(cases):
+        want = np_target_probs(logits[i], c["temperature"], c["top_k"], c["top_p"], c["min_p"])
+        assert ((got[i] > 0) == (want > 0)).all(), c
+        np.testing.assert_allclose(got[i], want, atol=1e-6)
+
+
+def test_ties_at_a_cut_off_are_kept_together():
+    """top-k 2 over [3, 3, 3, 1, 0] keeps the three 3s; top-p 0.5 over two equal halves keeps both."""
+    st = _tensors([dict(top_k=2), dict(top_p=0.5)])
+    logits = jnp.asarray([[3.0, 3.0, 3.0, 1.0, 0.0], [0.0, 0.0, -1e9, -1e9, -1e9]])
+    got = np.asarray(target_probs(logits, st))
+    np.testing.assert_allclose(got[0], [1 / 3, 1 / 3, 1 / 3, 0, 0], atol=1e-6)
+    np.testing.assert_allclose(got[1], [0.5, 0.5, 0, 0, 0], atol=1e-6)
+
+
+def test_draw_never_picks_a_zero_weight():
+    """The inverse-CDF draw at the ends of [0, 1) and over blocks of zeros picks positive entries."""
+    v = 3 * DRAW_BLOCK + 5
+    w = np.zeros((4, v), np.float32)
+    w[0, [7, DRAW_BLOCK + 2]] = [1.0, 3.0]
+    w[1, v - 1] = 1e-30
+    w[2, :] = 1.0
+    w[3, 2 * DRAW_BLOCK] = 2.0
+    for u in (0.0, 0.25, 0.5, 1 - 2**-24):
+        got = np.asarray(draw(jnp.asarray(w), jnp.full((4,), u, jnp.float32)))
+        assert (w[np.arange(4), got] > 0).all(), (u, got)
+    assert np.asarray(draw(jnp.asarray(w), jnp.full((4,), 0.2, jnp.float32)))[0] == 7
+
+
+def test_sampler_program_has_no_sort_and_no_branch():
+    """The compiled sampler (filters and draw) holds no sort over the vocabulary and no
+    conditional, so a decoding step never waits on a predicate or sorts 50k entries."""
+    v = 4096
+    logits = jnp.zeros((2, v), jnp.float32)
+    st = _tensors(CASES[:2])
+    zeros = jnp.zeros((2, v), jnp.int32)
+    hlo = jax.jit(sample).lower(logits, st, zeros, zeros > 0, st.keys).compile().as_text()
+    assert_no_vocab_sort_or_branch(hlo, v)
+
+
+def assert_no_vocab_sort_or_branch(hlo: str, v: int) -> None:
+    """Fails if optimised HLO text sorts an operand with a dimension of v or more, or branches."""
+    import re
+
+    for line in hlo.splitlines():
+        if re.search(r"\bsort\(", line) or " sort(" in line:
+            dims = [int(d) for shape in re.findall(r"\[([\d,]+)\]", line) for d in shape.split(",") if d]
+            assert max(dims, default=0) < v, line
+        assert " conditional(" not in line, line
 
 
 def test_penalties_match_numpy():
@@ -65,7 +125,7 @@ def test_penalties_match_numpy():
     np.testing.assert_allclose(got, want, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[4]])
+@pytest.mark.parametrize("case", CASES)
 def test_sample_distribution_chi_square(case):
     """Thousands of draws from `sample` follow target_probs (chi-square test, p > 1e-3)."""
     from scipy.stats import chisquare
@@ -73,7 +133,8 @@ def test_sample_distribution_chi_square(case):
     n, v = 20000, 8
     logits = jnp.asarray(np.random.default_rng(2).normal(size=(1, v)).astype(np.float32))
     st = _tensors([case])
-    probs = np.asarray(target_probs(logits, st))[0]
+    probs = np.asarray(target_probs(logits, st))[0].astype(np.float64)
+    probs /= probs.sum()
     keys = jax.random.split(jax.random.key(5), n)
     zeros = jnp.zeros((1, v), jnp.int32)
     draw = jax.jit(jax.vmap(lambda k: sample(logits, st, zeros, zeros > 0, k[None])[0]))

@@ -155,3 +155,25 @@ def test_convert_eagle_bin_checkpoint(models, plain, tmp_path):  # noqa: F811
     assert [r["output_ids"] for r in eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == [
         plain[len(p)] for p in PROMPTS
     ]
+
+
+@pytest.mark.parametrize("algo,draft,knobs", [("EAGLE3", "eagle3", (3, 8, 12)), ("STANDALONE", "small", (3, 2, 6))])
+def test_round_has_no_vocab_sort_and_no_branch(models, monkeypatch, algo, draft, knobs):  # noqa: F811
+    """The compiled speculative program of a sampled batch (every filter on) holds no sort over the
+    vocabulary and no conditional: its while loop runs straight-line rounds."""
+    from test_sampling import assert_no_vocab_sort_or_branch
+
+    import jaxspec.engine as engine_module
+
+    real, hlo = engine_module.spec_decode, []
+
+    def spy(*args, **kwargs):
+        hlo.append(real.lower(*args, **kwargs).compile().as_text())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "spec_decode", spy)
+    eng = engine(models, algo, draft, knobs)
+    sp = [dict(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, max_new_tokens=4), dict(temperature=0.0)]
+    eng.generate(input_ids=PROMPTS[:2], sampling_params=sp)
+    assert len(hlo) == 1 and " while(" in hlo[0]
+    assert_no_vocab_sort_or_branch(hlo[0], V)

@@ -125,8 +125,10 @@ def test_sample_accept_matches_python(ts, ta):
         probs = rng.dirichlet(np.ones(6) * 0.5, size=n).astype(np.float32)
         coins = rng.random(n).astype(np.float32)
         tree = build_tree(jnp.asarray(toks)[None], jnp.asarray(parent, jnp.int32)[None], steps)
+        probs_d = jnp.asarray(probs)
+        probs_at = lambda cur, probs_d=probs_d: probs_d[cur]
         num, path, resid = sample_accept(
-            tree, jnp.asarray(probs)[None], jnp.asarray(coins)[None], steps, jnp.asarray([ts]), jnp.asarray([ta])
+            tree, probs_at, jnp.asarray(coins)[None], steps, jnp.asarray([ts]), jnp.asarray([ta])
         )
         pnum, ppath, presid = py_sample_accept(toks, parent, probs, coins, steps, ts, ta)
         assert int(num[0]) == pnum and np.asarray(path)[0, : pnum + 1].tolist() == ppath

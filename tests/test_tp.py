@@ -100,19 +100,25 @@ def test_speculation_accepts_drafts(tiny):
 def test_params_and_kv_cache_are_split(tiny, tp):
     h, hkv, d, inter = 64, 4, 8, 128
     assert tiny["shards"][str(tp)] == {
-        "q_proj": [h, 8 * d // tp],
-        "q_bias": [8 * d // tp],
-        "k_proj": [h, hkv * d // tp],
+        "qkv_proj": [h, (8 + 2 * hkv) * d // tp],  # fused, shard-major: each device's own q, k and v heads
+        "qkv_bias": [(8 + 2 * hkv) * d // tp],
         "o_proj": [8 * d // tp, h],
         "o_bias": [h],
-        "up_proj": [h, inter // tp],
+        "gate_up_proj": [h, 2 * inter // tp],
         "down_proj": [inter // tp, h],
         "embed": [V // tp, h],
         "lm_head": [h, V // tp],
         "norm": [h],
         "kv_cache": [len(PROMPTS), 64, hkv // tp, d],
-        "draft_q_proj": [2 * h, 8 * d],
+        "draft_qkv_proj": [2 * h, (8 + 2 * hkv) * d],
     }
+
+
+def test_fused_projections_add_no_communication(tiny):
+    """The fused q/k/v and gate/up matmuls split on whole heads and columns: a tp = 2 prefill compiles
+    to the same collectives as with separate projections."""
+    assert tiny["collectives"]["fused"] == tiny["collectives"]["unfused"]
+    assert tiny["collectives"]["fused"]["all-reduce"] > 0  # the check sees the partitioned program
 
 
 def test_server_matches_offline_and_keeps_its_programs(tiny):
@@ -178,7 +184,7 @@ def test_smollm2_tp3():
         pytest.skip(str(e))
     out = result(child("smollm2", devices=3))
     assert out["NONE/3"] == out["NONE/1"] and out["EAGLE3/3"] == out["NONE/1"]
-    assert out["q_shard"] == [576, 192]
+    assert out["q_shard"] == [576, (9 + 2 * 3) * 64 // 3]  # fused q/k/v: 3 query + 1 + 1 KV heads each
 
 
 # ---- the child process ---------------------------------------------------------------------------
@@ -235,21 +241,40 @@ def _tiny_checks(d: str) -> dict:
             )
             a, m = layer["self_attn"], layer["mlp"]
             res["shards"][str(tp)] = {
-                "q_proj": shard(a["q_proj"]["kernel"][...]),
-                "q_bias": shard(a["q_proj"]["bias"][...]),
-                "k_proj": shard(a["k_proj"]["kernel"][...]),
+                "qkv_proj": shard(a["qkv_proj"]["kernel"][...]),
+                "qkv_bias": shard(a["qkv_proj"]["bias"][...]),
                 "o_proj": shard(a["o_proj"]["kernel"][...]),
                 "o_bias": shard(a["o_proj"]["bias"][...]),
-                "up_proj": shard(m["up_proj"]["kernel"][...]),
+                "gate_up_proj": shard(m["gate_up_proj"]["kernel"][...]),
                 "down_proj": shard(m["down_proj"]["kernel"][...]),
                 "embed": shard(p["embed_tokens"][...]),
                 "lm_head": shard(p["lm_head"]["kernel"][...]),
                 "norm": shard(layer["input_layernorm"]["weight"][...]),
                 "kv_cache": shard(cache.k[0]),  # after a jitted prefill: still split on KV heads
-                "draft_q_proj": shard(
-                    eng.dparams["draft"]["midlayer"]["self_attn"]["q_proj"]["kernel"][...]
+                "draft_qkv_proj": shard(
+                    eng.dparams["draft"]["midlayer"]["self_attn"]["qkv_proj"]["kernel"][...]
                 ),  # replicated
             }
+
+    res["collectives"] = {}
+    for fuse in (True, False):
+        eng = engine("NONE", 2, _fuse=fuse)
+        cache = KVCache.create(eng.cfg, 2, 64, eng.dtype, eng.kv_sharding)
+        hlo = (
+            prefill_chunk.lower(
+                eng.graphdef,
+                eng.params,
+                cache,
+                jnp.zeros((2, 4), jnp.int32),
+                jnp.int32(0),
+                jnp.asarray([4, 3]),
+                jnp.zeros((2, eng.cfg.hidden_size)),
+            )
+            .compile()
+            .as_text()
+        )
+        ops = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+        res["collectives"]["fused" if fuse else "unfused"] = {op: hlo.count(f" {op}(") for op in ops}
 
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
@@ -325,7 +350,7 @@ def _smollm2_checks() -> dict:
             "The capital of France is", {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}
         )["output_ids"]
         if tp == 3:
-            q = eng.params["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+            q = eng.params["layers"][0]["self_attn"]["qkv_proj"]["kernel"][...]
             res["q_shard"] = list(q.sharding.shard_shape(q.shape))
     return res
 

@@ -3,18 +3,28 @@
 GQA, RoPE with default / linear / llama3 scaling, optional q/k/v (and o) bias, tied or untied
 embeddings, float32 / bfloat16 / float16 parameters (norms and softmax in float32).
 
+Checkpoints, conversion and training see the HF layout (separate q/k/v_proj and gate/up_proj);
+inference engines call `fuse_projections` once after loading, so that a layer runs one q/k/v matmul
+(qkv_proj) and one gate/up matmul (gate_up_proj). The fused columns are laid out shard-major for tp
+tensor-parallel shards, [q_0 | k_0 | v_0 | q_1 | k_1 | v_1 | ...], so that a plain column split
+gives each device its own heads' q, k and v (and its own gate and up columns).
+
 Shapes: B batch, T new tokens, S cache length, H hidden, Nh heads, Nkv kv heads, D head dim, V vocab.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jaxspec.attention import attention
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig, rope_inv_freq
+from jaxspec.errors import JaxspecError
 
 INIT_STD = 0.02
 
@@ -29,6 +39,39 @@ class Linear(nnx.Module):
     def __call__(self, x):
         y = x @ self.kernel[...]
         return y if self.bias is None else y + self.bias[...]
+
+    @classmethod
+    def concat(cls, parts: list[Linear], shards: int) -> Linear:
+        """One Linear computing all of `parts` (same input) at once; output columns shard-major."""
+        k0, biases = parts[0].kernel[...], [p.bias[...] for p in parts if p.bias is not None]
+        lin = nnx.eval_shape(lambda: cls(k0.shape[0], 1, bias=bool(biases), dtype=k0.dtype, rngs=nnx.Rngs(0)))
+        lin.kernel = nnx.Param(concat_shards([p.kernel[...] for p in parts], shards))
+        if biases:
+            lin.bias = nnx.Param(concat_shards(biases, shards))
+        return lin
+
+
+def concat_shards(ws: list, shards: int):
+    """ws: arrays [..., C_i] -> [..., sum C_i] with columns [w0_0 | w1_0 | ... | w0_1 | w1_1 | ...]:
+    block s holds the s-th of `shards` equal column slices of every w (split like ws[0] on a mesh)."""
+    sharding = ws[0].sharding
+    return _concat_shards(ws, shards, sharding if isinstance(sharding, NamedSharding) else None)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _concat_shards(ws, shards, sharding):
+    lead = ws[0].shape[:-1]
+    out = jnp.concatenate([w.reshape(*lead, shards, -1) for w in ws], -1).reshape(*lead, -1)
+    return out if sharding is None else jax.lax.with_sharding_constraint(out, sharding)
+
+
+def split_shards(y, shards: int, sizes: tuple[int, ...]) -> list:
+    """The inverse of `concat_shards` on outputs: y [..., sum(sizes)] shard-major -> [..., sizes[i]].
+    Under tensor parallelism each device splits only its own block (no communication)."""
+    lead = y.shape[:-1]
+    blocks = y.reshape(*lead, shards, -1)  # [..., shards, sum(sizes) / shards]
+    cuts = [sum(sizes[: i + 1]) // shards for i in range(len(sizes) - 1)]
+    return [b.reshape(*lead, n) for b, n in zip(jnp.split(blocks, cuts, axis=-1), sizes)]
 
 
 class RMSNorm(nnx.Module):
@@ -60,13 +103,30 @@ class Attention(nnx.Module):
         self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         self.cfg = cfg
+        self.shards = 0  # 0: separate q/k/v_proj; n: one qkv_proj laid out for n shards
+
+    def fuse(self, shards: int) -> None:
+        """q/k/v_proj -> qkv_proj, kernel [Hin, (Nh + 2 Nkv) D] shard-major for `shards` shards."""
+        if self.cfg.num_heads % shards or self.cfg.num_kv_heads % shards:
+            raise JaxspecError(f"{shards} shards must divide the query and KV head counts")
+        self.qkv_proj = Linear.concat([self.q_proj, self.k_proj, self.v_proj], shards)
+        del self.q_proj, self.k_proj, self.v_proj
+        self.shards = shards
+
+    def project(self, x):
+        """x: [B, T, Hin] -> q [B, T, Nh, D], k and v [B, T, Nkv, D] (before RoPE)."""
+        cfg, (b, t, _) = self.cfg, x.shape
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if self.shards:
+            q, k, v = split_shards(self.qkv_proj(x), self.shards, (nh * d, nkv * d, nkv * d))
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return q.reshape(b, t, nh, d), k.reshape(b, t, nkv, d), v.reshape(b, t, nkv, d)
 
     def __call__(self, x, positions, inv_freq, cache: KVCache, layer: int, local_mask, offset, backend):
         cfg = self.cfg
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = self.project(x)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         cache = cache.write(layer, k, v, cache.lengths + offset)
@@ -79,12 +139,26 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.intermediate = i
         self.gate_proj = Linear(h, i, bias=bias, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(h, i, bias=bias, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(i, h, bias=bias, dtype=dtype, rngs=rngs)
+        self.shards = 0  # 0: separate gate/up_proj; n: one gate_up_proj laid out for n shards
+
+    def fuse(self, shards: int) -> None:
+        """gate/up_proj -> gate_up_proj, kernel [H, 2 I] shard-major for `shards` shards (1 when
+        they do not divide I: the sharding rules then keep it whole on every device)."""
+        shards = shards if self.intermediate % shards == 0 else 1
+        self.gate_up_proj = Linear.concat([self.gate_proj, self.up_proj], shards)
+        del self.gate_proj, self.up_proj
+        self.shards = shards
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.shards:
+            g, u = split_shards(self.gate_up_proj(x), self.shards, (self.intermediate, self.intermediate))
+        else:
+            g, u = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(jax.nn.silu(g) * u)
 
 
 class DecoderLayer(nnx.Module):
@@ -104,7 +178,8 @@ class DecoderLayer(nnx.Module):
 
 class LlamaForCausalLM(nnx.Module):
     """Module paths mirror HF key names (`model.layers.3.self_attn.q_proj.weight` ->
-    `layers[3].self_attn.q_proj.kernel`), see `jaxspec.models.params`."""
+    `layers[3].self_attn.q_proj.kernel`), see `jaxspec.models.params`; `fuse_projections` (for
+    inference only) then replaces q/k/v_proj by qkv_proj and gate/up_proj by gate_up_proj."""
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -152,3 +227,12 @@ class LlamaForCausalLM(nnx.Module):
             w = self.embed_tokens[...]
             return jnp.einsum("...h,vh->...v", h, w, preferred_element_type=jnp.float32)
         return (h @ self.lm_head.kernel[...]).astype(jnp.float32)
+
+
+def fuse_projections(model: nnx.Module, tp: int = 1) -> nnx.Module:
+    """In place, for inference: every unfused Attention and MLP of `model` (a target, or a draft
+    built from these layers) gets one qkv_proj / gate_up_proj laid out for `tp` shards; tp must
+    divide the head counts (sharding.check_heads). Returns `model`."""
+    for m in [m for _, m in nnx.iter_graph(model) if isinstance(m, (Attention, MLP)) and not m.shards]:
+        m.fuse(tp)
+    return model

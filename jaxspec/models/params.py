@@ -3,7 +3,8 @@
 The NNX module tree mirrors HF names, so the table is one rule:
   path ("layers", 3, "self_attn", "q_proj", "kernel") <-> "model.layers.3.self_attn.q_proj.weight" (transposed)
   ("embed_tokens",) <-> "model.embed_tokens.weight";  ("lm_head", "kernel") <-> "lm_head.weight" (transposed)
-All missing / mismatched tensors are reported together.
+All missing / mismatched tensors are reported together. This is the unfused layout; engines fuse
+q/k/v and gate/up only afterwards (models/llama.py:fuse_projections).
 """
 
 from __future__ import annotations

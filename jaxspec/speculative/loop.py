@@ -156,10 +156,23 @@ def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState)
 
 
 def spec_round(
-    tgt, prop, dparams, spec: SpecConfig, state: SpecState, st, max_new_tokens, stop_ids, thr, backend, plain=None
+    tgt,
+    prop,
+    dparams,
+    spec: SpecConfig,
+    state: SpecState,
+    st,
+    max_new_tokens,
+    stop_ids,
+    thr,
+    backend,
+    plain=None,
+    sampled: bool = True,
 ):
     """One round. plain: [B] bool or None (server): those slots accept no draft and take the
-    target's own sample at the root (with penalties), i.e. plain decoding inside the round."""
+    target's own sample at the root (with penalties), i.e. plain decoding inside the round.
+    sampled (static): False when every slot is greedy (no sampler in the program). The round
+    holds no data-dependent branch: every slot runs the same straight-line program."""
     steps = spec.num_steps
     tree, dstate = draft_tree(prop, dparams, tgt, spec, state)
     cache = state.cache
@@ -173,9 +186,9 @@ def spec_round(
     if spec.ngram is not None and spec.ngram.force_greedy_verify:  # SGLANG_NGRAM_FORCE_GREEDY_VERIFY
         acc = greedy_verify(tree, tgt.logits(h), steps)
     else:
-        acc = verify(tree, tgt.logits(h), st, keys, steps, thr[0], thr[1])
+        acc = verify(tree, tgt.logits(h), st, keys, steps, thr[0], thr[1], sampled)
     if plain is not None:
-        acc = _plain_slots(tgt, h, acc, plain, st, state, keys)
+        acc = _plain_slots(tgt, h, acc, plain, st, state, keys, sampled)
     active = ~state.done
     n_new = acc.num + 1
     cache = cache.commit_path(acc.path)
@@ -199,23 +212,21 @@ def spec_round(
     return dataclasses.replace(state, draft=dstate, last=jnp.where(active, acc.bonus, state.last))
 
 
-def _plain_slots(tgt, h, acc: Accepted, plain, st: SamplingTensors, state: SpecState, keys) -> Accepted:
+def _plain_slots(tgt, h, acc: Accepted, plain, st: SamplingTensors, state: SpecState, keys, sampled) -> Accepted:
     """Overrides the verification of `plain` slots: no draft accepted, the bonus sampled from the
     root's logits by the plain sampler (penalties from state.counts / state.seen)."""
-
-    def override():
-        counts = state.counts if state.counts is not None else jnp.zeros(h.shape[:1] + (tgt.cfg.vocab_size,), jnp.int32)
-        seen = state.seen if state.seen is not None else counts > 0
-        tok = sample(tgt.logits(h[:, 0]).astype(jnp.float32), st, counts, seen, keys)
-        return Accepted(
-            jnp.where(plain, 0, acc.num), jnp.where(plain[:, None], 0, acc.path), jnp.where(plain, tok, acc.bonus)
-        )
-
-    return jax.lax.cond(jnp.any(plain), override, lambda: acc)
+    counts = state.counts if state.counts is not None else jnp.zeros(h.shape[:1] + (tgt.cfg.vocab_size,), jnp.int32)
+    seen = state.seen if state.seen is not None else counts > 0
+    tok = sample(tgt.logits(h[:, 0]).astype(jnp.float32), st, counts, seen, keys, sampled)
+    return Accepted(
+        jnp.where(plain, 0, acc.num), jnp.where(plain[:, None], 0, acc.path), jnp.where(plain, tok, acc.bonus)
+    )
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "prop", "spec", "buf", "backend"), donate_argnames=("cache", "dcache")
+    jax.jit,
+    static_argnames=("graphdef", "prop", "spec", "buf", "backend", "sampled"),
+    donate_argnames=("cache", "dcache"),
 )
 def spec_decode(
     graphdef,
@@ -232,8 +243,10 @@ def spec_decode(
     stop_ids,
     buf: int,
     backend="xla",
+    sampled: bool = True,
 ):
     """First token from the prefill, draft extend over it, then rounds in a while_loop.
+    sampled (static): some row has temperature > 0 (False: greedy-only program).
 
     Returns ((out [B, buf], num_out [B], finish [B], verify_ct [B], hist [B, D + 2]), caches); the
     caches are returned only so that their donated buffers are reused."""
@@ -242,7 +255,12 @@ def spec_decode(
     v = tgt.cfg.vocab_size
     zeros = jnp.zeros((b, v), jnp.int32)
     first = sample(
-        tgt.logits(last_h), st, zeros, zeros > 0, jax.vmap(jax.random.fold_in)(st.keys, jnp.zeros((b,), jnp.int32))
+        tgt.logits(last_h),
+        st,
+        zeros,
+        zeros > 0,
+        jax.vmap(jax.random.fold_in)(st.keys, jnp.zeros((b,), jnp.int32)),
+        sampled,
     )
     dstate = DraftState(
         dcache,
@@ -272,7 +290,7 @@ def spec_decode(
     )
     state = jax.lax.while_loop(
         lambda s: ~jnp.all(s.done),
-        lambda s: spec_round(tgt, prop, dparams, spec, s, st, max_new_tokens, stop_ids, thr, backend),
+        lambda s: spec_round(tgt, prop, dparams, spec, s, st, max_new_tokens, stop_ids, thr, backend, sampled=sampled),
         state,
     )
     return (state.out, state.num_out, state.finish, state.verify_ct, state.hist), (state.cache, state.draft.cache)

@@ -68,9 +68,9 @@ def eagle3_ttt_loss(head, embed, tokens, feats, target_logits, mask, steps: int)
         emb = embed[_shift(tokens, k + 1, t)]
         pos = jnp.broadcast_to(jnp.arange(t) + k, (b, t))
         x = jnp.concatenate([m.input_layernorm(emb), m.hidden_norm(h)], -1)
-        q = apply_rope(at.q_proj(x).reshape(b, t, nh, d), pos, inv).reshape(b, t, nkv, g, d)
-        kk = apply_rope(at.k_proj(x).reshape(b, t, nkv, d), pos, inv)
-        vv = at.v_proj(x).reshape(b, t, nkv, d)
+        q, kk, vv = at.project(x)
+        q = apply_rope(q, pos, inv).reshape(b, t, nkv, g, d)
+        kk = apply_rope(kk, pos, inv)
         ks.append(kk)
         vs.append(vv)
         scale = d**-0.5
