@@ -3,8 +3,12 @@
     python benchmarks/bench_mtbench.py --draft EAGLE3=path/to/head [--draft EAGLE=path] \\
         [--questions 80] [--max-new-tokens 128] [--temperatures 0 1] [--batch-size 1]
 
+A draft given as ALGO:static (e.g. EAGLE3:static, the shipped head) runs with adaptive speculation
+off (its tree shape every round); otherwise adaptive speculation has its default (on for the
+shipped drafts), and the share of rounds it ran without speculation is printed.
+
 For every temperature it runs plain decoding and each draft over the same questions (chat template,
-warm-up pass first so that compilation is not timed) and prints accept length (tokens per
+warm-up pass first so that compilation is not timed; the engines take turns question by question) and prints accept length (tokens per
 verification round, bonus included), tokens/s and speedup over plain; it writes an accept-length
 histogram (SVG) per draft next to --out.
 """
@@ -21,21 +25,29 @@ from common import machine, mtbench_first_turns
 from jaxspec.bench import warmup_set
 
 
-def run(eng, ids, sp, bs):
-    for batch in warmup_set(eng, ids, sp["max_new_tokens"], bs):
-        eng.generate(input_ids=batch, sampling_params=sp)
-    tokens = verify = 0
-    hist = None
-    t = time.perf_counter()
+def run(engines, ids, sp, bs) -> list[tuple]:
+    """Every engine over the same batches, interleaved batch by batch (so that a machine whose speed
+    drifts during the run slows them alike), after a warm-up of each. Returns per engine (tokens,
+    rounds, seconds, accept-length histogram, rounds per adaptive shape)."""
+    for _, eng in engines:
+        for batch in warmup_set(eng, ids, sp["max_new_tokens"], bs):
+            eng.generate(input_ids=batch, sampling_params=sp)
+    acc = [dict(tokens=0, verify=0, dt=0.0, hist=None, shapes={}) for _ in engines]
     for s in range(0, len(ids), bs):
-        for r in eng.generate(input_ids=ids[s : s + bs], sampling_params=sp):
-            m = r["meta_info"]
-            tokens += m["completion_tokens"]
-            verify += m["spec_verify_ct"]
-            h = m.get("spec_accept_histogram")
-            if h is not None:
-                hist = h if hist is None else [a + b for a, b in zip(hist, h)]
-    return tokens, verify, time.perf_counter() - t, hist
+        for (_, eng), a in zip(engines, acc):
+            t = time.perf_counter()
+            out = eng.generate(input_ids=ids[s : s + bs], sampling_params=sp)
+            a["dt"] += time.perf_counter() - t
+            for r in out:
+                m = r["meta_info"]
+                a["tokens"] += m["completion_tokens"]
+                a["verify"] += m["spec_verify_ct"]
+                h = m.get("spec_accept_histogram")
+                if h is not None:
+                    a["hist"] = h if a["hist"] is None else [x + y for x, y in zip(a["hist"], h)]
+                for k, v in m.get("spec_shapes", {}).items():
+                    a["shapes"][k] = a["shapes"].get(k, 0) + v
+    return [(a["tokens"], a["verify"], a["dt"], a["hist"], a["shapes"]) for a in acc]
 
 
 def histogram_svg(hist, title, path, width=480, height=260):
@@ -62,7 +74,8 @@ def main():
         "--draft",
         action="append",
         default=[],
-        help="ALGO=PATH or ALGO (repeatable), e.g. EAGLE3=path/to/head, EAGLE3 (the shipped draft), NGRAM",
+        help="ALGO=PATH or ALGO (repeatable), e.g. EAGLE3=path/to/head, EAGLE3 (the shipped draft), NGRAM; "
+        "ALGO:static turns adaptive speculation off",
     )
     ap.add_argument("--questions", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -84,11 +97,13 @@ def main():
     ids = [plain._encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in qs]
     engines = [("NONE", plain)]
     for d in args.draft:
-        algo, _, path = d.partition("=")  # "EAGLE3" alone: the draft shipped for the default model
+        name, _, path = d.partition("=")  # "EAGLE3" alone: the draft shipped for the default model
+        algo, _, mode = name.partition(":")
         engines.append(
             (
-                algo,
+                name,
                 jaxspec.Engine(
+                    speculative_adaptive=False if mode == "static" else None,
                     _loaded=loaded,
                     max_running_requests=args.batch_size,
                     show_progress=False,
@@ -101,8 +116,8 @@ def main():
     print(
         f"SmolLM2-135M-Instruct float32, {len(ids)} MT-bench first turns, max {args.max_new_tokens} new tokens, batch {args.batch_size}"
     )
-    print("| temperature | algorithm | accept length | tok/s | speedup |")
-    print("|---|---|---|---|---|")
+    print("| temperature | algorithm | accept length | tok/s | speedup | rounds without speculation |")
+    print("|---|---|---|---|---|---|")
     rows = []
     for temp in args.temperatures:
         sp = (
@@ -111,8 +126,8 @@ def main():
             else {"temperature": 0, "max_new_tokens": args.max_new_tokens}
         )
         base = None
-        for algo, eng in engines:
-            tokens, verify, dt, hist = run(eng, ids, sp, args.batch_size)
+        for (algo, _), (tokens, verify, dt, hist, shapes) in zip(engines, run(engines, ids, sp, args.batch_size)):
+            off = f"{shapes.get('off', 0) / max(sum(shapes.values()), 1):.0%}" if shapes else "-"
             tps = tokens / dt
             base = base or tps
             acc = tokens / max(verify, 1)
@@ -124,14 +139,15 @@ def main():
                     tokens_per_s=tps,
                     speedup=tps / base,
                     histogram=hist,
+                    shapes=shapes,
                 )
             )
-            print(f"| {temp:g} | {algo} | {acc:.2f} | {tps:.1f} | {tps / base:.2f} |", flush=True)
+            print(f"| {temp:g} | {algo} | {acc:.2f} | {tps:.1f} | {tps / base:.2f} | {off} |", flush=True)
             if hist:
                 histogram_svg(
                     hist,
                     f"{algo}, T={temp:g}: accept length {acc:.2f}",
-                    os.path.join(args.out, f"accept_hist_{algo}_T{temp:g}.svg"),
+                    os.path.join(args.out, f"accept_hist_{algo.replace(':', '-')}_T{temp:g}.svg"),
                 )
     with open(os.path.join(args.out, "mtbench.json"), "w") as f:
         json.dump(rows, f, indent=2)

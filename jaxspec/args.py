@@ -134,6 +134,11 @@ class SpeculativeArgs:
     speculative_token_map: str | None = flag(
         None, "FR-Spec token map (.pt list, .npy or text of token ids) restricting the draft vocabulary"
     )
+    speculative_adaptive: bool | None = flag(
+        None,
+        "choose per block of rounds between the tree shape and no speculation, from measured round cost and "
+        "acceptance (offline engine; unset: on for the shipped drafts)",
+    )
     speculative_ngram_min_match_window_size: int = flag(1, "NGRAM: shortest suffix match used")
     speculative_ngram_max_match_window_size: int = flag(12, "NGRAM: longest suffix match tried")
     speculative_ngram_min_bfs_breadth: int = flag(1, "NGRAM BFS: children per node for a longest-window match")
@@ -192,6 +197,8 @@ class SpeculativeArgs:
             if n is not None and n < 2:
                 raise JaxspecError(f"speculative_num_draft_tokens must be >= 2 for NGRAM, got {n}")
             self._validate_ngram()
+            if self.speculative_adaptive:
+                raise JaxspecError("speculative_adaptive is not supported with NGRAM yet")
             return
         if algo == "STANDALONE" and self.speculative_draft_model_path is None:
             raise JaxspecError("speculative_algorithm=STANDALONE needs speculative_draft_model_path")
@@ -336,8 +343,9 @@ def add_arguments(
             continue
         tp = _scalar_type(hints[f.name])
         help_ = f.metadata["help"]
-        if tp is bool:
-            group.add_argument(option(f.name), action="store_true", default=f.default, help=help_)
+        if tp is bool:  # unset (None) by default: --x / --no-x; else a switch
+            action = argparse.BooleanOptionalAction if f.default is None else "store_true"
+            group.add_argument(option(f.name), action=action, default=f.default, help=help_)
             continue
         shown = "" if f.default is None else f" (default: {f.default})"
         group.add_argument(
@@ -413,6 +421,9 @@ def flag_table() -> str:
         for f in dataclasses.fields(cls):
             default = "" if f.default is None else f"`{f.default}`"
             choices = f"; one of {', '.join(f.metadata['choices'])}" if f.metadata["choices"] else ""
-            out.append(f"| `{option(f.name)}` | {default} | {f.metadata['help'].replace('|', '/')}{choices} |")
+            name = f"`{option(f.name)}`"
+            if f.default is None and _scalar_type(typing.get_type_hints(cls)[f.name]) is bool:
+                name += f" / `--no-{option(f.name)[2:]}`"
+            out.append(f"| {name} | {default} | {f.metadata['help'].replace('|', '/')}{choices} |")
         out.append("")
     return "\n".join(out).rstrip() + "\n"

@@ -207,6 +207,7 @@ class SpecConfig:
     accept_threshold_acc: float = 1.0
     token_map: str | None = None
     ngram: NgramConfig | None = None  # NGRAM only
+    adaptive: bool = False  # speculative/adaptive.py: speculate or not, chosen per block of rounds
 
     @property
     def enabled(self) -> bool:
@@ -273,6 +274,15 @@ class SpecConfig:
                 msg = "speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 = %d when speculative_eagle_topk == 1"
                 log.warning(msg, num_steps + 1)
             num_draft_tokens = num_steps + 1
+        adaptive = shipped_tree is not None if a.speculative_adaptive is None else a.speculative_adaptive
         return cls(
-            algo, draft_model_path, num_steps, eagle_topk, num_draft_tokens, single, acc, a.speculative_token_map
+            algo,
+            draft_model_path,
+            num_steps,
+            eagle_topk,
+            num_draft_tokens,
+            single,
+            acc,
+            a.speculative_token_map,
+            adaptive=adaptive,
         )

@@ -47,9 +47,10 @@ from jaxspec.requests import (
     make_result,
     stop_token_ids,
 )
-from jaxspec.sampling import SamplingParams, SamplingTensors, any_sampled
+from jaxspec.sampling import GREEDY_EPS, SamplingParams, SamplingTensors, any_sampled
 from jaxspec.sharding import check_heads, kv_sharding, make_mesh, replicate, shard_params
-from jaxspec.speculative.loop import spec_decode, spec_prefill_chunk
+from jaxspec.speculative.adaptive import Adaptive, shape_label
+from jaxspec.speculative.loop import spec_block, spec_prefill_chunk, spec_start
 from jaxspec.speculative.proposers import Proposer, load_proposer
 from jaxspec.speculative.proposers.ngram import Corpus
 
@@ -140,6 +141,7 @@ class Engine:
                 graphdef, self.dparams["draft"] = nnx.split(fuse_projections(nnx.merge(draft, self.dparams["draft"])))
                 self.proposer = dataclasses.replace(self.proposer, graphdef=graphdef)
             self.dparams = replicate(self.dparams, self.mesh)
+        self.adaptive = Adaptive(self.spec) if self.spec.adaptive else None
         self._corpus: Corpus | None = None
         if self.spec.algorithm == "NGRAM":
             self.reset_ngram_corpus()
@@ -284,8 +286,8 @@ class Engine:
         cache = KVCache.create(self.cfg, b, s_len, self.dtype, self.kv_sharding)
         last_h = replicate(jnp.zeros((b, self.cfg.hidden_size), self.dtype), self.mesh)
         if spec_on:
-            out, num_out, finish, verify_ct, hist = self._spec_batch(
-                cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks, sampled
+            (out, num_out, finish, verify_ct, hist), used = self._spec_batch(
+                cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks, sampled, n
             )
         else:
             for c in range(n_chunks):
@@ -315,7 +317,7 @@ class Engine:
                 sampled=sampled,
             )
             out, num_out, finish = jax.device_get((out, num_out, finish))
-            verify_ct, hist = num_out, None
+            verify_ct, hist, used = num_out, None, None
         latency = time.perf_counter() - t0
         if spec_on:  # finished requests feed the shared n-gram text
             self.feed_ngram_corpus([list(x) + list(map(int, out[i, : num_out[i]])) for i, x in enumerate(ids)])
@@ -328,13 +330,16 @@ class Engine:
                 latency,
                 int(verify_ct[i]),
                 None if hist is None else hist[i],
+                None if used is None else used[i],
             )
             for i in range(n)
         ]
 
     def _spec_batch(
-        self, cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks, sampled
+        self, cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks, sampled, n
     ):
+        """Prefill, then rounds (in blocks chosen by adaptive speculation when it is on). Returns
+        ((out, num_out, finish, verify_ct, hist) on the host, rounds per candidate [n, 2] or None)."""
         prop, b = self.proposer, prompt.shape[0]
         dcache = replicate(prop.make_cache(b, cache.max_len, self.dtype), self.mesh)
         dprompt = jnp.asarray(draft_prompt(prompt, prop.shift))
@@ -357,7 +362,8 @@ class Engine:
                 last_feat,
                 backend=self.backend,
             )
-        res, _ = spec_decode(
+        stop_d = jnp.asarray(stop_arr)
+        state = spec_start(
             self.graphdef,
             self.params,
             prop,
@@ -369,14 +375,42 @@ class Engine:
             last_feat,
             st,
             max_new_d,
-            jnp.asarray(stop_arr),
+            stop_d,
             buf=buf,
             backend=self.backend,
             sampled=sampled,
         )
-        return jax.device_get(res)
 
-    def _result(self, out_ids, finish, prompt_len, p: SamplingParams, latency, verify_ct, hist) -> dict[str, Any]:
+        def block(spec, state, rounds):
+            return spec_block(
+                self.graphdef,
+                self.params,
+                prop,
+                self.dparams,
+                spec,
+                state,
+                st,
+                max_new_d,
+                stop_d,
+                rounds=rounds,
+                backend=self.backend,
+                sampled=sampled,
+            )
+
+        used = None
+        if self.adaptive is None:
+            state = block(self.spec, state, 0)
+        else:
+            sig = (b, buf, cache.max_len, sampled)
+            rounds = self.adaptive.rounds
+            greedy = np.asarray(st.temperature[:n]) <= GREEDY_EPS
+            state, used = self.adaptive.run(lambda spec, s: block(spec, s, rounds), state, greedy, sig)
+        res = jax.device_get((state.out, state.num_out, state.finish, state.verify_ct, state.hist))
+        return res, used
+
+    def _result(
+        self, out_ids, finish, prompt_len, p: SamplingParams, latency, verify_ct, hist, used=None
+    ) -> dict[str, Any]:
         reason = finish_reason(finish, out_ids)
         if reason is None:  # pragma: no cover - the loop only exits when every slot finished
             raise RuntimeError("decode loop returned an unfinished request")
@@ -387,8 +421,19 @@ class Engine:
             cut = cut_at_stop_string(text, out_ids, p.stop_strings, decode_ids)
             if cut is not None:  # multi-token stop strings are applied after generation
                 text, out_ids, reason = cut
+        extra = {}
+        if used is not None and self.adaptive is not None:  # rounds run with each candidate shape
+            extra["spec_shapes"] = {shape_label(c): int(k) for c, k in zip(self.adaptive.candidates, used)}
         return make_result(
-            uuid.uuid4().hex, text, out_ids, prompt_len, reason, latency, verify_ct, None if hist is None else hist[1:]
+            uuid.uuid4().hex,
+            text,
+            out_ids,
+            prompt_len,
+            reason,
+            latency,
+            verify_ct,
+            None if hist is None else hist[1:],
+            **extra,
         )
 
 

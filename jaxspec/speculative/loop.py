@@ -7,6 +7,11 @@ One round (all static shapes; B slots, N tree nodes, D = num_steps):
   emit    accepted drafts + bonus are appended (cut at a stop token or max_new_tokens)
   refresh the proposer extends its KV over the accepted tokens and gets the next root
 Slots that finished keep running rounds as padding (their lengths do not move) until all are done.
+
+`spec_start` samples the first token and starts the draft; `spec_block` runs rounds of one tree
+shape (or plain steps: speculation off) on that state. The offline engine runs one block until
+every request is done, or, with adaptive speculation, blocks of a few rounds with the shape
+chosen between them (speculative/adaptive.py).
 """
 
 from __future__ import annotations
@@ -228,7 +233,7 @@ def _plain_slots(tgt, h, acc: Accepted, plain, st: SamplingTensors, state: SpecS
     static_argnames=("graphdef", "prop", "spec", "buf", "backend", "sampled"),
     donate_argnames=("cache", "dcache"),
 )
-def spec_decode(
+def spec_start(
     graphdef,
     params,
     prop: Proposer,
@@ -244,12 +249,9 @@ def spec_decode(
     buf: int,
     backend="xla",
     sampled: bool = True,
-):
-    """First token from the prefill, draft extend over it, then rounds in a while_loop.
-    sampled (static): some row has temperature > 0 (False: greedy-only program).
-
-    Returns ((out [B, buf], num_out [B], finish [B], verify_ct [B], hist [B, D + 2]), caches); the
-    caches are returned only so that their donated buffers are reused."""
+) -> SpecState:
+    """The first token from the prefill's last hidden state [B, H] and the draft's extension over
+    it: the state `spec_block` runs rounds on (out [B, buf]; hist sized for spec.num_steps)."""
     tgt = nnx.merge(graphdef, params)
     b = last_h.shape[0]
     v = tgt.cfg.vocab_size
@@ -283,14 +285,96 @@ def spec_decode(
     dstate = prop.extend(
         dparams, tgt, state.draft, first[:, None], feats, jnp.ones((b,), jnp.int32), jnp.ones((b,), bool)
     )
-    state = dataclasses.replace(state, draft=dstate)
+    return dataclasses.replace(state, draft=dstate)
+
+
+def plain_steps(tgt, prop: Proposer, dparams, state: SpecState, st, max_new_tokens, stop_ids, steps, backend, sampled):
+    """Up to `steps` plain decoding steps on a speculative state (speculation off), then one draft
+    extension over the tokens they emitted, so that a later round finds the draft up to date.
+    Each step counts as a round that emitted one token. Returns the state."""
+    b = state.last.shape[0]
+    first_last = state.last
+
+    def step(c):
+        i, s, toks, feats = c
+        active = ~s.done
+        h, cache, cap = tgt(
+            s.last[:, None], s.cache.lengths[:, None], s.cache, capture_layers=prop.capture_layers, backend=backend
+        )
+        keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.fold_in)(st.keys, jnp.full((b,), 2)), s.num_out)
+        zeros = jnp.zeros((b, tgt.cfg.vocab_size), jnp.int32)
+        tok = sample(tgt.logits(h[:, 0]).astype(jnp.float32), st, zeros, zeros > 0, keys, sampled)
+        cache = dataclasses.replace(cache, lengths=cache.lengths + active)
+        hist = s.hist.at[:, 1].add(active.astype(jnp.int32))
+        s = dataclasses.replace(s, cache=cache, verify_ct=s.verify_ct + active, hist=hist)
+        s = emit(s, tok[:, None], jnp.ones((b,), jnp.int32), max_new_tokens, stop_ids)
+        s = dataclasses.replace(s, last=jnp.where(active, tok, s.last))
+        toks = toks.at[:, i].set(tok)
+        f = prop.features(h, cap)
+        if f is not None:
+            feats = feats.at[:, i].set(f[:, 0].astype(feats.dtype))
+        return i + 1, s, toks, feats
+
+    f = prop.features(*_feature_shapes(tgt, prop, b))
+    toks = jnp.zeros((b, steps), jnp.int32)
+    feats = jnp.zeros((b, steps, 1 if f is None else f.shape[-1]), tgt.embed_tokens[...].dtype)
+    ct0 = state.verify_ct
+    _, state, toks, feats = jax.lax.while_loop(
+        lambda c: (c[0] < steps) & ~jnp.all(c[1].done), step, (jnp.int32(0), state, toks, feats)
+    )
+    n = state.verify_ct - ct0  # steps each slot took part in
+    if prop.root_in_region:  # block = [x_L, emitted...]
+        block, n_block, bfeats = jnp.concatenate([first_last[:, None], toks], 1), n + 1, None
+    else:  # block = emitted tokens with the target features of the tokens fed to produce them
+        block, n_block, bfeats = toks, jnp.maximum(n, 1), (feats if prop.uses_hidden else None)
+    dstate = prop.extend(dparams, tgt, state.draft, block, bfeats, n_block, n > 0)
+    return dataclasses.replace(state, draft=dstate)
+
+
+def _feature_shapes(tgt, prop: Proposer, b: int):
+    """Placeholder (h [B, 1, H], captured [L, B, 1, H]) to read the draft feature width from."""
+    hdim = tgt.cfg.hidden_size
+    h = jnp.zeros((b, 1, hdim), tgt.embed_tokens[...].dtype)
+    cap = jnp.zeros((len(prop.capture_layers), b, 1, hdim), h.dtype) if prop.capture_layers else None
+    return h, cap
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "prop", "spec", "rounds", "backend", "sampled"),
+    donate_argnames=("state",),
+)
+def spec_block(
+    graphdef,
+    params,
+    prop: Proposer,
+    dparams,
+    spec: SpecConfig | None,
+    state: SpecState,
+    st: SamplingTensors,
+    max_new_tokens,
+    stop_ids,
+    rounds: int,
+    backend="xla",
+    sampled: bool = True,
+) -> SpecState:
+    """Rounds of the tree shape `spec` in a while_loop: at most `rounds` of them (0: until every
+    slot is done), stopping early once every slot is done. spec None: `rounds` plain decoding
+    steps with the draft kept up to date (speculation off, for adaptive speculation)."""
+    tgt = nnx.merge(graphdef, params)
+    if spec is None:
+        return plain_steps(tgt, prop, dparams, state, st, max_new_tokens, stop_ids, rounds, backend, sampled)
+    b = state.last.shape[0]
     thr = (
         jnp.full((b,), spec.accept_threshold_single, jnp.float32),
         jnp.full((b,), spec.accept_threshold_acc, jnp.float32),
     )
-    state = jax.lax.while_loop(
-        lambda s: ~jnp.all(s.done),
-        lambda s: spec_round(tgt, prop, dparams, spec, s, st, max_new_tokens, stop_ids, thr, backend, sampled=sampled),
-        state,
+    _, state = jax.lax.while_loop(
+        lambda c: ((c[0] < rounds) | (rounds == 0)) & ~jnp.all(c[1].done),
+        lambda c: (
+            c[0] + 1,
+            spec_round(tgt, prop, dparams, spec, c[1], st, max_new_tokens, stop_ids, thr, backend, sampled=sampled),
+        ),
+        (jnp.int32(0), state),
     )
-    return (state.out, state.num_out, state.finish, state.verify_ct, state.hist), (state.cache, state.draft.cache)
+    return state
