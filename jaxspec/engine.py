@@ -363,6 +363,7 @@ class Engine:
                 backend=self.backend,
             )
         stop_d = jnp.asarray(stop_arr)
+        max_len = cache.max_len  # cache is donated to spec_start
         state = spec_start(
             self.graphdef,
             self.params,
@@ -401,7 +402,7 @@ class Engine:
         if self.adaptive is None:
             state = block(self.spec, state, 0)
         else:
-            sig = (b, buf, cache.max_len, sampled)
+            sig = (b, buf, max_len, sampled)
             rounds = self.adaptive.rounds
             greedy = np.asarray(st.temperature[:n]) <= GREEDY_EPS
             state, used = self.adaptive.run(lambda spec, s: block(spec, s, rounds), state, greedy, sig)

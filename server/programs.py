@@ -15,8 +15,8 @@ XLA: start-up compiles a *cover* set that serves any request within --context-le
 --max-running-requests (the short shapes exactly, the rest through the largest programs, all
 sampled=True), a background thread then compiles every other shape (most useful first: the
 greedy-only twins of the start-up dispatches; with the persistent compilation cache, a restart
-loads them from disk), and each call takes the cheapest program compiled so far that covers it. Only with --disable-cuda-graph (nothing
-compiled ahead) does a call compile on first use.
+loads them from disk), and each call takes the cheapest program compiled so far that covers it.
+Only with --disable-cuda-graph (nothing compiled ahead) does a call compile on first use.
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ class Programs:
         self._thread: threading.Thread | None = None
         self._stop = False
         self.background_total = 0
+        self.startup_bs = sched.slots  # the batch sizes compile_startup covered exactly
         self.background_done = 0
         self.idle_only = jax.devices()[0].platform == "cpu"  # background compiles only while no request runs
         # (key, program) compiled in the background, not yet run once
@@ -156,7 +157,7 @@ class Programs:
         of the start-up dispatches come first, of the others last."""
         spans, sizes = self.spans(), self.sizes()
         greedy = lambda ks: [k[:3] + (False,) for k in ks if k[0] == "dispatch"]
-        startup = self.startup_keys(self.sched.slots)
+        startup = self.startup_keys(self.startup_bs)
         keys = greedy(startup)
         rest = [("dispatch", 1, x, True) for x in spans]
         rest += [("dispatch", n, x, True) for x in spans for n in sizes]
@@ -249,6 +250,7 @@ class Programs:
 
     def compile_startup(self, max_bs: int, progress: bool = True) -> int:
         """Compiles and exercises the cover set (before the scheduler thread starts)."""
+        self.startup_bs = max_bs
         keys = self.startup_keys(max_bs)
         bar = tqdm(total=len(keys), unit="program", disable=not progress, desc="compiling start-up programs")
         # XLA compiles one program on one core (and releases the GIL): compile as many at once as there are cores

@@ -8,8 +8,9 @@ for the requests still running:
     value(shape) = sum over running requests of E[tokens per round | shape, request] / cost(shape, B)
 
 cost: seconds per round of (shape, batch size B), the median over the last COST_SAMPLES blocks
-that did not compile (a median, so that one slow block, e.g. a busy machine, does not decide). E[tokens per round]: 1 without speculation; with it 1 + sum_j P(accepted >= j) over the
-depths j of the tree, from the request's own rounds (the survival counts of its accept-length
+that did not compile (a median, so that one slow block, e.g. a busy machine, does not decide).
+E[tokens per round]: 1 without speculation; with it 1 + sum_j P(accepted >= j) over the depths j
+of the tree, from the request's own rounds (the survival counts of its accept-length
 histogram), with the rounds of earlier requests of the same kind (greedy or sampled) as a prior
 worth PRIOR_ROUNDS rounds. Speculation stops only when plain steps are expected to be MARGIN
 faster (estimates are noisy, and while speculation is off a request's acceptance is not observed).
