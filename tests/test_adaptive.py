@@ -13,14 +13,13 @@ from jaxspec.config import SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.speculative.adaptive import EXPLORE_MIN, OFF, PRIOR_ROUNDS, Adaptive, shape_label
 
-from helpers import (  # noqa: F401 - models and plain are fixtures
+from helpers import (  # noqa: F401 - models is a fixture
     GREEDY,
     PROMPTS,
     chi2_pvalue,
     engine,
     exact_pair_distribution,
     models,
-    plain,
     sample_pairs,
 )
 
@@ -71,7 +70,7 @@ def test_choice_follows_cost_and_acceptance():
     "algo,draft,knobs,target",
     [("STANDALONE", "target", (4, 1, 5), "target"), ("EAGLE3", "eagle3", (3, 2, 6), "target")],
 )
-def test_alternating_blocks_are_lossless(models, plain, algo, draft, knobs, target):  # noqa: F811
+def test_alternating_blocks_are_lossless(models, algo, draft, knobs, target):  # noqa: F811
     """Blocks alternate between the tree and plain steps: greedy output equals plain decoding, and
     with the target as its own draft every round after a plain block still accepts every draft
     token (the plain steps kept the draft's cache in step)."""
