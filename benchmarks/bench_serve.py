@@ -1,19 +1,23 @@
 """Load test of `jaxspec serve`: plain vs speculative serving, side by side in one run.
 
-    python benchmarks/bench_serve.py [--modes plain eagle3 eagle3-no-overlap] [--concurrency 1 4 16]
-        [--requests 16] [--time-limit 300] [--max-tokens 128] [--temperature 0]
+    python benchmarks/bench_serve.py [--modes plain eagle3 eagle3-static] [--concurrency 1 4 16]
+        [--requests 16] [--time-limit 300] [--max-tokens 128] [--temperature 0 1]
 
-For each mode it starts a server on 127.0.0.1 (a free port; loopback only), sends MT-bench first
-turns as streaming chat completions from `c` client threads for each concurrency `c`, and reports
+It starts one server per mode on 127.0.0.1 (free ports; loopback only), waits until every one has
+finished its background compiles (so that none takes cores from another's timed level), then for
+each concurrency `c` runs the modes one after another, interleaved, so that they see the same
+machine: MT-bench first turns as streaming chat completions from `c` client threads. It reports
 output throughput (completion tokens / wall time), request latency and time-to-first-token
-percentiles, the gaps between streamed chunks (how smooth streaming is), and the mean accept length. Each level is bounded by --requests and --time-limit;
-each level first runs once untimed (--warmup) so that every program shape it needs is compiled.
+percentiles, the gaps between streamed chunks (how smooth streaming is), the mean accept length,
+and the share of rounds that adaptive speculation ran without speculation. Each level is bounded
+by --requests and --time-limit; each level first runs once untimed (--warmup) for every mode.
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
+import itertools
 import json
 import os
 import queue
@@ -28,7 +32,8 @@ from common import machine, mtbench_first_turns
 
 MODES = {
     "plain": ["--speculative-algorithm", "NONE"],
-    "eagle3": [],  # the default: the shipped EAGLE-3 head, overlap on
+    "eagle3": [],  # the default: the shipped EAGLE-3 head, adaptive speculation, overlap on
+    "eagle3-static": ["--no-speculative-adaptive"],  # its tree shape every round
     "eagle3-no-overlap": ["--disable-overlap-schedule"],
     "plain-no-overlap": ["--speculative-algorithm", "NONE", "--disable-overlap-schedule"],
     "eagle2": ["--speculative-algorithm", "EAGLE"],
@@ -81,12 +86,42 @@ def start_server(extra, port, args):
         time.sleep(0.5)
 
 
-def one_request(port, question, args):
+def metric_values(port, name: str) -> dict[str, float]:
+    """{labels: value} of the /metrics lines of jaxspec:<name>."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("GET", "/metrics")
+    out = {}
+    for line in c.getresponse().read().decode().splitlines():
+        if line.startswith(f"jaxspec:{name}{{"):
+            labels, value = line[len(name) + 9 :].rsplit(" ", 1)
+            out[labels.rstrip("}")] = float(value)
+    c.close()
+    return out
+
+
+def off_rounds(port) -> tuple[float, float]:
+    """(rounds without speculation, all rounds) the server ran so far."""
+    v = metric_values(port, "spec_shape_rounds_total")
+    return sum(x for k, x in v.items() if 'shape="off"' in k), sum(v.values())
+
+
+def wait_background(ports, timeout: float) -> float:
+    """Waits until no server has background compiles left; returns the seconds waited."""
+    t = time.time()
+    while time.time() - t < timeout:
+        left = sum(sum(metric_values(p, "background_compile_remaining").values()) for p in ports)
+        if left == 0:
+            break
+        time.sleep(5)
+    return time.time() - t
+
+
+def one_request(port, question, args, temperature):
     body = {
         "model": "default",
         "messages": [{"role": "user", "content": question}],
         "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
+        "temperature": temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -119,7 +154,7 @@ def one_request(port, question, args):
     return time.perf_counter() - t0, ttft, tokens, verify, gaps
 
 
-def run_level(port, questions, conc, args):
+def run_level(port, questions, conc, temperature, args):
     todo: queue.Queue = queue.Queue()
     for q in questions[: args.requests]:
         todo.put(q)
@@ -132,7 +167,7 @@ def run_level(port, questions, conc, args):
                 q = todo.get_nowait()
             except queue.Empty:
                 return
-            res = one_request(port, q, args)
+            res = one_request(port, q, args, temperature)
             with lock:
                 rows.append(res)
 
@@ -149,6 +184,7 @@ def run_level(port, questions, conc, args):
     pct = lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan")
     return dict(
         concurrency=conc,
+        temperature=temperature,
         requests=len(rows),
         wall_s=wall,
         tokens=tokens,
@@ -166,14 +202,14 @@ def run_level(port, questions, conc, args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--modes", nargs="+", default=["plain", "eagle3", "eagle3-no-overlap"], choices=sorted(MODES))
+    ap.add_argument("--modes", nargs="+", default=["plain", "eagle3", "eagle3-static"], choices=sorted(MODES))
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--requests", type=int, default=16, help="requests per concurrency level (at most)")
     ap.add_argument(
         "--time-limit", type=float, default=300, help="seconds per level before workers stop taking requests"
     )
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="levels are run at each")
     ap.add_argument("--context-length", type=int, default=2048)
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed pass before each level")
@@ -183,39 +219,50 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     questions = mtbench_first_turns(max(args.requests, 2) + 1)[1:]
+    print(f"# {machine()}\n# max_tokens {args.max_tokens}, {args.requests} requests per level")
     print(
-        f"# {machine()}\n# max_tokens {args.max_tokens}, temperature {args.temperature}, {args.requests} requests per level"
+        "| mode | temperature | concurrency | requests | out tok/s | accept | latency p50 / p90 / p99 (s) | TTFT p50 / p99 (s) "
+        "| stream gap p50 / p99 (ms) | rounds without speculation |"
     )
-    print(
-        "| mode | concurrency | requests | out tok/s | accept | latency p50 / p90 / p99 (s) | TTFT p50 / p99 (s) | stream gap p50 / p99 (ms) |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    results = []
-    for mode in args.modes:
-        port = free_port()
-        p, startup = start_server(MODES[mode], port, args)
-        try:
-            for conc in args.concurrency:
-                if args.warmup:  # the same level untimed first: every shape it hits compiles here
-                    run_level(port, questions, conc, args)
-                r = dict(mode=mode, startup_s=startup, **run_level(port, questions, conc, args))
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    servers, results = {}, []
+    try:
+        for mode in args.modes:  # one at a time: start-up compiles use every core
+            port = free_port()
+            servers[mode] = (port, *start_server(MODES[mode], port, args))
+        waited = wait_background([p for p, _, _ in servers.values()], args.startup_timeout)
+        print(f"# background compiles finished {waited:.0f} s after the last server started")
+        for temperature, conc in itertools.product(args.temperature, args.concurrency):
+            if args.warmup:  # the same level untimed first: every shape it hits runs once here
+                for port, _, _ in servers.values():
+                    run_level(port, questions, conc, temperature, args)
+            for mode, (port, _, startup) in servers.items():
+                off0, all0 = off_rounds(port)
+                r = dict(mode=mode, startup_s=startup, **run_level(port, questions, conc, temperature, args))
+                off1, all1 = off_rounds(port)
+                r["off_share"] = (off1 - off0) / (all1 - all0) if all1 > all0 else float("nan")
                 results.append(r)
+                off = "-" if np.isnan(r["off_share"]) else f"{100 * r['off_share']:.0f}%"
                 print(
-                    f"| {mode} | {conc} | {r['requests']} | {r['tok_per_s']:.1f} | {r['accept']:.2f} | "
+                    f"| {mode} | {temperature:g} | {conc} | {r['requests']} | {r['tok_per_s']:.1f} | {r['accept']:.2f} | "
                     f"{r['lat_p50']:.2f} / {r['lat_p90']:.2f} / {r['lat_p99']:.2f} | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | "
-                    f"{1e3 * r['gap_p50']:.0f} / {1e3 * r['gap_p99']:.0f} |",
+                    f"{1e3 * r['gap_p50']:.0f} / {1e3 * r['gap_p99']:.0f} | {off} |",
                     flush=True,
                 )
-        finally:
+    finally:
+        for _, p, _ in servers.values():
             p.terminate()
+        for _, p, _ in servers.values():
             p.wait(120)
     with open(os.path.join(args.out, "serve.json"), "w") as f:
         json.dump(results, f, indent=1)
-    base = {r["concurrency"]: r["tok_per_s"] for r in results if r["mode"] == "plain"}
+    level = lambda r: (r["temperature"], r["concurrency"])
+    base = {level(r): r["tok_per_s"] for r in results if r["mode"] == "plain"}
     for r in results:
-        if r["mode"] != "plain" and r["concurrency"] in base:
+        if r["mode"] != "plain" and level(r) in base:
             print(
-                f"# {r['mode']} / plain at concurrency {r['concurrency']}: {r['tok_per_s'] / base[r['concurrency']]:.2f}x"
+                f"# {r['mode']} / plain at temperature {r['temperature']:g}, concurrency {r['concurrency']}: "
+                f"{r['tok_per_s'] / base[level(r)]:.2f}x"
             )
 
 

@@ -13,7 +13,9 @@ Shapes are static per program: `n` (admitted requests, bucketed), the prefill ch
 `take_rows` / `put_rows`; KV caches are written in place through slot views (cache.py).
 
 `prop is None` is plain decoding (the state is a DecodeState); otherwise a SpecState whose
-`plain` slots decode without speculation inside the round (spec_round(plain=...)).
+`plain` slots decode without speculation inside the round (spec_round(plain=...)), and a dispatch
+with `spec=None` runs plain steps for every slot, keeping the drafts up to date (speculation off,
+chosen by adaptive speculation).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jaxspec.cache import KVCache
 from jaxspec.decode import LENGTH, RUNNING, STOPPED, DecodeState, decode_step, target_prefill
 from jaxspec.sampling import SamplingTensors, sample
-from jaxspec.speculative.loop import SpecState, prefill_step, spec_round
+from jaxspec.speculative.loop import SpecState, plain_steps, prefill_step, spec_round
 from jaxspec.speculative.proposers.base import DraftState
 
 
@@ -254,7 +256,9 @@ def dispatch(
     backend="xla",
     sampled: bool = True,
 ):
-    """k rounds (plain: decode steps) for slots [0, n_act). On a GPU the k rounds always run (a
+    """k rounds (plain: decode steps) for slots [0, n_act). With a proposer and spec None: W
+    plain steps instead (W = the window, the tokens k rounds can emit), then one draft extension.
+    On a GPU the k rounds always run (a
     loop of known trip count: no predicate goes back to the host between rounds, so the whole
     dispatch can stay one CUDA graph; finished slots are padding); on a CPU the loop stops early
     once every slot is done, which saves the rounds' compute. sampled (static): some slot has
@@ -268,8 +272,13 @@ def dispatch(
     sub = take_rows(batch, rows, span, prefix=n_act)
     core = sub.core
     core = dataclasses.replace(core, done=core.done | kill[:n_act], out=jnp.zeros_like(core.out), base=core.num_out)
+    cpu = jax.default_backend() == "cpu"
+    trips = k
     if prop is None:
         step = lambda s: decode_step(tgt, s, sub.st, sub.max_new, sub.stop_ids, backend, sampled)
+    elif spec is None:  # one call: W steps and the draft's catch-up
+        w, trips = core.out.shape[1], 1
+        step = lambda s: plain_steps(tgt, prop, dparams, s, sub.st, sub.max_new, sub.stop_ids, w, backend, sampled, cpu)
     else:
         thr = (
             jnp.full((n_act,), spec.accept_threshold_single, jnp.float32),
@@ -289,12 +298,14 @@ def dispatch(
             plain=sub.plain,
             sampled=sampled,
         )
-    if jax.default_backend() == "cpu":
+    if trips == 1:
+        core = step(core)
+    elif cpu:
         _, core = jax.lax.while_loop(
-            lambda c: (c[0] < k) & ~jnp.all(c[1].done), lambda c: (c[0] + 1, step(c[1])), (jnp.int32(0), core)
+            lambda c: (c[0] < trips) & ~jnp.all(c[1].done), lambda c: (c[0] + 1, step(c[1])), (jnp.int32(0), core)
         )
     else:
-        core = jax.lax.fori_loop(0, k, lambda _, c: step(c), core)
+        core = jax.lax.fori_loop(0, trips, lambda _, c: step(c), core)
     batch = put_rows(batch, rows, dataclasses.replace(sub, core=core))
     if prop is None:
         extra = (core.num_out, jnp.zeros((n_act, 1), jnp.int32))

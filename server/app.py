@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxspec.errors import JaxspecError
+from jaxspec.speculative.adaptive import OFF, shape_label
 from server import protocol
 from server.scheduler import QueueFull, Scheduler
 from server.scheduler import Request as SchedRequest
@@ -217,7 +218,15 @@ def create_app(
 
     def spec_metrics(res: dict) -> dict:
         m = res["meta_info"]
-        keys = ("speculative", "spec_verify_ct", "spec_accept_length", "spec_accept_histogram", "ttft", "e2e_latency")
+        keys = (
+            "speculative",
+            "spec_verify_ct",
+            "spec_accept_length",
+            "spec_accept_histogram",
+            "spec_shapes",
+            "ttft",
+            "e2e_latency",
+        )
         return {k: m[k] for k in keys if k in m}
 
     def usage(res: dict) -> dict:
@@ -539,4 +548,16 @@ def prometheus_text(sched: Scheduler, model: str) -> str:
     out = []
     for name, kind, help_, value in rows:
         out += [f"# HELP jaxspec:{name} {help_}", f"# TYPE jaxspec:{name} {kind}", f"jaxspec:{name}{label} {value}"]
+    if sched.spec is not None:  # per tree shape ("off": plain steps, chosen by adaptive speculation)
+        shapes = [shape_label(sched.spec)] + ([OFF] if sched.adaptive is not None else [])
+        for name, help_, counts in (
+            ("spec_shape_dispatches_total", "dispatches run with each tree shape", st.shape_dispatches),
+            (
+                "spec_shape_rounds_total",
+                "rounds run with each tree shape (a plain step counts as one)",
+                st.shape_rounds,
+            ),
+        ):
+            out += [f"# HELP jaxspec:{name} {help_}", f"# TYPE jaxspec:{name} counter"]
+            out += [f'jaxspec:{name}{label[:-1]},shape="{x}"}} {counts[x]}' for x in shapes]
     return "\n".join(out) + "\n"

@@ -30,10 +30,6 @@ def build(args, progress: bool = True):
     server = from_namespace(ServerArgs, args)
     server.validate()
     eng = Engine(flags, show_progress=progress)
-    if flags.speculative_adaptive:
-        logger.warning(
-            "--speculative-adaptive applies to the offline engine only: the server runs the tree shape every round"
-        )
     sched = Scheduler(
         eng,
         flags.max_running_requests,

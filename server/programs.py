@@ -4,9 +4,10 @@ The scheduler runs three programs (jaxspec/serving.py), each specialised on a fe
 
   ("chunk", n, C, span)     admit_chunk: one prefill chunk of C tokens for n new requests
   ("finish", n)             admit_finish: their first tokens (its draft extension reads every column)
-  ("dispatch", n_act, span, sampled)
+  ("dispatch", n_act, span, sampled, tree)
                             dispatch: k rounds for slots [0, n_act); sampled=False is a
-                            greedy-only program (no sampler), True serves any mix
+                            greedy-only program (no sampler), True serves any mix; tree=False
+                            (adaptive speculation) runs plain steps instead of the tree shape
 
 `span` is how many KV columns attention reads. A program for a larger n_act, C or span than a call
 needs is still correct (extra slots are stopped, extra columns are masked, a chunk is zero-padded),
@@ -14,8 +15,10 @@ only slower, and a sampled=True dispatch serves greedy slots too. So no request 
 XLA: start-up compiles a *cover* set that serves any request within --context-length and
 --max-running-requests (the short shapes exactly, the rest through the largest programs, all
 sampled=True), a background thread then compiles every other shape (most useful first: the
-greedy-only twins of the start-up dispatches; with the persistent compilation cache, a restart
-loads them from disk), and each call takes the cheapest program compiled so far that covers it.
+greedy-only twins of the start-up dispatches, then their plain-step twins when adaptive
+speculation is on; with the persistent compilation cache, a restart loads them from disk), and
+each call takes the cheapest program compiled so far that covers it (adaptive speculation runs
+plain steps only once a plain-step program covers the call).
 Only with --disable-cuda-graph (nothing compiled ahead) does a call compile on first use.
 """
 
@@ -147,20 +150,23 @@ class Programs:
         short = [x for x in spans if x <= 512] or spans[:1]
         keys = [("finish", 1)] + [("chunk", 1, self.chunk_for(x), x) for x in spans]
         for n in self.sizes(max_bs):
-            keys += [("dispatch", n, x, True) for x in short]
-        keys += [("dispatch", 1, s.max_len, True), ("dispatch", s.slots, s.max_len, True)]
+            keys += [("dispatch", n, x, True, True) for x in short]
+        keys += [("dispatch", 1, s.max_len, True, True), ("dispatch", s.slots, s.max_len, True, True)]
         return list(dict.fromkeys(keys))
 
     def background_keys(self) -> list[tuple]:
         """Every other shape, most useful first: one request at every span, then every batch size,
         then admission of several requests at once (bursts of short prompts). Greedy-only twins
-        of the start-up dispatches come first, of the others last."""
+        of the start-up dispatches come first, then (adaptive speculation) their plain-step
+        twins; the twins of the others come last."""
         spans, sizes = self.spans(), self.sizes()
-        greedy = lambda ks: [k[:3] + (False,) for k in ks if k[0] == "dispatch"]
+        greedy = lambda ks: [k[:3] + (False, k[4]) for k in ks if k[0] == "dispatch"]
+        plain = lambda ks: [k[:4] + (False,) for k in ks if k[0] == "dispatch"] if self.sched.adaptive else []
         startup = self.startup_keys(self.startup_bs)
         keys = greedy(startup)
-        rest = [("dispatch", 1, x, True) for x in spans]
-        rest += [("dispatch", n, x, True) for x in spans for n in sizes]
+        keys += plain(startup + keys)
+        rest = [("dispatch", 1, x, True, True) for x in spans]
+        rest += [("dispatch", n, x, True, True) for x in spans for n in sizes]
         keys += rest
         # tiny prompts under a large min span
         keys += [("chunk", 1, c, spans[0]) for c in self.chunk_sizes() if c < spans[0]]
@@ -168,6 +174,7 @@ class Programs:
             keys.append(("finish", n))
             keys += [("chunk", n, self.chunk_for(x), x) for x in spans if x <= 512]
         keys += greedy(rest)
+        keys += plain(rest + greedy(rest))
         return [k for k in dict.fromkeys(keys) if k not in self._have()]
 
     # ---- compiling -----------------------------------------------------------------------------
@@ -189,13 +196,13 @@ class Programs:
         sds = jax.ShapeDtypeStruct
         dparams = jax.tree_util.tree_map(_spec, eng.dparams)
         if key[0] == "dispatch":
-            _, n_act, span, sampled = key
+            _, n_act, span, sampled, tree = key
             return dispatch.lower(
                 eng.graphdef,
                 self._params_spec,
                 s.prop,
                 dparams,
-                s.spec,
+                s.spec if tree else None,
                 self._batch_spec,
                 sds((s.slots,), bool),
                 k=s.k,
@@ -301,7 +308,7 @@ class Programs:
                 jnp.zeros((n, eng.cfg.vocab_size), bool),
             )
         else:  # slots [0, n_act) decode k rounds from one committed column, with no stop in sight
-            _, n, _span, _sampled = key
+            _, n, _span, _sampled, _tree = key
             b = s.batch
             fresh = lambda x: dataclasses.replace(x, lengths=x.lengths.at[:n].set(1)) if isinstance(x, KVCache) else x
             core = jax.tree_util.tree_map(fresh, b.core, is_leaf=lambda x: isinstance(x, KVCache))
@@ -367,13 +374,21 @@ class Programs:
             prog = self.compile(key)
         return prog
 
-    def dispatch_key(self, n_act: int, span: int, sampled: bool = True) -> tuple:
-        """The cheapest compiled ("dispatch", n', span', s') with n' >= n_act, span' >= span and
-        s' >= sampled (a sampling program serves greedy slots, at the cost of its sampler)."""
-        exact = ("dispatch", n_act, span, sampled)
-        have = [k for k in self._have() if k[0] == "dispatch" and k[1] >= n_act and k[2] >= span and k[3] >= sampled]
-        if self.lazy or exact in have or not have:
+    def dispatch_key(self, n_act: int, span: int, sampled: bool = True, tree: bool = True) -> tuple | None:
+        """The cheapest compiled ("dispatch", n', span', s', tree) with n' >= n_act, span' >= span
+        and s' >= sampled (a sampling program serves greedy slots, at the cost of its sampler).
+        None when tree is False and no compiled plain-step program covers the call (the tree
+        shape serves it instead); with tree True, the exact key when nothing covers it."""
+        exact = ("dispatch", n_act, span, sampled, tree)
+        have = [
+            k
+            for k in self._have()
+            if k[0] == "dispatch" and k[1] >= n_act and k[2] >= span and k[3] >= sampled and k[4] == tree
+        ]
+        if self.lazy or exact in have:
             return exact
+        if not have:
+            return exact if tree else None
         return min(have, key=lambda k: (k[1] * (1024 + k[2]), k[3]))
 
     def finish_sizes(self) -> list[int]:

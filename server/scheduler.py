@@ -4,7 +4,8 @@ One scheduler thread owns the device state (jaxspec/serving.py `SlotBatch`) and 
   admit     waiting requests take the lowest free slots, in power-of-two groups
   prefill   one prompt chunk per iteration while others decode (all chunks when nothing decodes),
             then the group's first tokens
-  dispatch  k rounds for the decoding slots (one compiled program); every other slot is stopped
+  dispatch  k rounds for the decoding slots (one compiled program); every other slot is stopped.
+            With adaptive speculation, plain steps instead when they are expected to be faster
   process   fetch a dispatch's new tokens, detokenize, stream them, finish requests, free their slots
 With overlap on (the default), dispatch i + 1 is enqueued before dispatch i's results are fetched,
 so host work (detokenizing, streaming, admitting) runs while the device computes (JAX async
@@ -42,6 +43,7 @@ from jaxspec.requests import (
 )
 from jaxspec.sampling import SamplingParams, SamplingTensors, any_sampled
 from jaxspec.serving import SlotBatch
+from jaxspec.speculative.adaptive import Adaptive, shape_label
 from server.detokenize import DetokState, detokenize
 from server.memory import MemoryPlan, plan_slots
 from server.programs import Programs
@@ -67,6 +69,8 @@ class Request:
     slot: int | None = None
     verify_ct: int = 0
     hist: list[int] | None = None
+    surv: np.ndarray | None = None  # [D + 1] rounds that accepted >= j drafts (adaptive speculation)
+    shape_rounds: dict[str, int] = dataclasses.field(default_factory=dict)  # rounds per adaptive candidate
     finished: bool = False
     cancelled: bool = False
     t_arrival: float = dataclasses.field(default_factory=time.perf_counter)
@@ -113,6 +117,11 @@ class Pending:
     reqs: list[Request]  # admit: the group's requests
     slots: dict[int, Request]  # dispatch: slot -> request
     out: Any  # device arrays
+    seq: int = 0  # this call's place among the device calls (Scheduler._seq)
+    t_enqueued: float = 0.0
+    spec: Any = None  # dispatch: the tree shape it ran (None: plain steps)
+    n_act: int = 0  # dispatch: the batch size it was chosen for
+    key: tuple = ()  # dispatch: its compiled program
 
     @property
     def who(self) -> list[Request]:
@@ -131,6 +140,9 @@ class Stats:
     generation_tokens: int = 0
     spec_tokens: int = 0  # tokens of finished speculative requests
     spec_verify_ct: int = 0  # their rounds
+    # tree shape (speculative/adaptive.py shape_label) -> dispatches / rounds run with it
+    shape_dispatches: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    shape_rounds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     # (time, new tokens)
     recent: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=4096))
 
@@ -154,6 +166,9 @@ class Scheduler:
         self.eng = eng
         self.spec = eng.spec if eng.spec.enabled else None
         self.prop = eng.proposer if self.spec else None
+        # adaptive speculation: per dispatch, the tree shape or plain steps (its own cost table:
+        # a dispatch's rounds are not the offline engine's programs)
+        self.adaptive = Adaptive(self.spec) if self.spec and self.spec.adaptive else None
         gpu = jax.devices()[0].platform != "cpu"
         self.k = int(decode_steps or (8 if gpu else 2))
         # smallest KV span a program reads: long spans cost little on a GPU (fewer programs), but
@@ -183,6 +198,8 @@ class Scheduler:
         self.tok_lock = threading.Lock()  # HF tokenizers are not safe to share across threads
         self._pending: collections.deque[Pending] = collections.deque()
         self._rng = np.random.default_rng(0)
+        self._seq = 0  # device calls enqueued so far (prefill chunks, admissions, dispatches)
+        self._last_fetched = (-1, 0.0)  # (seq, time) of the latest device call whose results arrived
         self._stop = False
         self._thread: threading.Thread | None = None
         self.programs = Programs(self, lazy=True)  # server/launch.py compiles ahead and sets lazy=False
@@ -489,6 +506,7 @@ class Scheduler:
         rows = jnp.asarray([r.slot for r in g.reqs], jnp.int32)
         sl = slice(c * chunk, (c + 1) * chunk)
         prog = self.programs.get(g.keys[c])
+        self._seq += 1
         self.batch = prog(
             eng.params,
             eng.dparams,
@@ -513,6 +531,7 @@ class Scheduler:
             stops[i, : len(r._stops)] = r._stops
             seen[i, r.ids] = True
         prog = self.programs.get(("finish", n))
+        self._seq += 1
         self.batch, first = prog(
             eng.params,
             eng.dparams,
@@ -529,7 +548,7 @@ class Scheduler:
                 r.known, r.inflight = len(r.ids) + 1, 0
                 r.decoding = not r.cancelled
         self._release([r for r in reqs if r.cancelled])
-        self._pending.append(Pending("admit", reqs, {}, first))
+        self._pending.append(Pending("admit", reqs, {}, first, self._seq))
 
     def _release(self, reqs: list[Request]) -> None:
         """Frees the slots of requests cancelled while they were being prefilled."""
@@ -555,9 +574,27 @@ class Scheduler:
         kill[list(busy)] = False
         eng = self.eng
         sampled = any_sampled(r.params for r in busy.values())
-        prog = self.programs.get(self.programs.dispatch_key(n_act, self._span(need), sampled))
+        span = self._span(need)
+        spec = self._choose(busy, n_act)
+        key = self.programs.dispatch_key(n_act, span, sampled, spec is not None)
+        if key is None:  # plain steps chosen but not compiled yet: the tree shape serves as well
+            spec, key = self.spec, self.programs.dispatch_key(n_act, span, sampled)
+        prog = self.programs.get(key)
+        self._seq += 1
+        t = time.perf_counter()
         self.batch, outs = prog(eng.params, eng.dparams, self.batch, jnp.asarray(kill))
-        self._pending.append(Pending("dispatch", [], busy, outs))
+        self._pending.append(Pending("dispatch", [], busy, outs, self._seq, t, spec, n_act, key))
+
+    def _choose(self, busy: dict[int, Request], n_act: int):
+        """The tree shape for the next dispatch, or None (plain steps): adaptive speculation's
+        choice from the running requests' acceptance so far (self.spec when it is off)."""
+        if self.adaptive is None:
+            return self.spec
+        spec_reqs = [r for r in busy.values() if r.speculative]
+        d = self.spec.num_steps
+        surv = np.array([r.surv if r.surv is not None else np.zeros(d + 1) for r in spec_reqs]).reshape(-1, d + 1)
+        greedy = np.array([r.params.temperature <= 0 for r in spec_reqs], bool)
+        return self.adaptive.choose(n_act, surv, greedy, n_plain=len(busy) - len(spec_reqs))
 
     # ---- results -----------------------------------------------------------------------------
 
@@ -565,7 +602,7 @@ class Scheduler:
         if item.kind == "admit":
             who = item.reqs
             first = np.asarray(jax.device_get(item.out))
-            now = time.perf_counter()
+            now = t_got = time.perf_counter()
             for r, t in zip(who, first):
                 r.t_first = now
                 self._guarded(
@@ -576,6 +613,9 @@ class Scheduler:
             new = len(who)
         else:
             out, count, done, finish, vct, hist = jax.device_get(item.out)
+            t_got = time.perf_counter()
+            if self.spec:
+                self._observe(item, vct, hist, t_got)
             for s, r in item.slots.items():
                 code = int(finish[s]) if done[s] else None
                 toks = [int(t) for t in out[s, : count[s]]]
@@ -587,8 +627,44 @@ class Scheduler:
                     functools.partial(self._advance, r, toks, done_code=code, verify_ct=int(vct[s]), hist=h),
                 )
             new = int(sum(count[s] for s in item.slots))
+        self._last_fetched = (item.seq, t_got)
         with self.lock:
             self.stats.recent.append((time.perf_counter(), new))
+
+    def _observe(self, item: Pending, vct, hist, t_got: float) -> None:
+        """Bookkeeping of a speculative server's dispatch, before its requests advance: rounds per
+        shape (per request and in Stats), and for adaptive speculation the dispatch's cost per
+        round and the acceptance of its speculative requests. The device runs the calls in order,
+        so a dispatch started when it was enqueued or when the call before it finished, whichever
+        was later; it is timed only when that call's results were the last to arrive (a prefill
+        chunk in between, whose end is not seen, would count as the dispatch's). t_got: when its
+        results arrived."""
+        label = shape_label(item.spec)
+        took = {s: int(vct[s]) - r.verify_ct for s, r in item.slots.items() if not (r.finished or r.cancelled)}
+        rounds = max(took.values(), default=0)
+        for s, r in item.slots.items():
+            if s in took:
+                r.shape_rounds[label] = r.shape_rounds.get(label, 0) + took[s]
+        with self.lock:
+            self.stats.shape_dispatches[label] += 1
+            self.stats.shape_rounds[label] += rounds
+        if self.adaptive is None:
+            return
+        seq, t_prev = self._last_fetched
+        if seq == item.seq - 1:
+            dt = t_got - max(item.t_enqueued, t_prev)
+            self.adaptive.observe_cost(item.spec, item.n_act, dt, rounds, (label, *item.key))
+        if item.spec is None:
+            return
+        reqs = [(s, r) for s, r in item.slots.items() if r.speculative and s in took]
+        if not reqs:
+            return
+        d = self.spec.num_steps
+        block = np.stack([hist[s][1:] - (np.asarray(r.hist) if r.hist is not None else 0) for s, r in reqs])
+        greedy = np.array([r.params.temperature <= 0 for _, r in reqs], bool)
+        surv = self.adaptive.observe_acceptance(block.reshape(-1, d + 1), greedy)
+        for (_, r), x in zip(reqs, surv):
+            r.surv = x if r.surv is None else r.surv + x
 
     def _advance(self, r: Request, toks, done_code, verify_ct, hist, first=False) -> None:
         if r.finished or r.cancelled:
@@ -663,7 +739,13 @@ class Scheduler:
             r.hist if spec else None,
             ttft=None if r.t_first is None else r.t_first - r.t_arrival,
             speculative=spec,
+            **({"spec_shapes": self._shapes(r)} if spec and self.adaptive is not None else {}),
         )
+
+    def _shapes(self, r: Request) -> dict[str, int]:
+        """Rounds r ran with each adaptive candidate (plain steps count one round each)."""
+        assert self.adaptive is not None
+        return {shape_label(c): r.shape_rounds.get(shape_label(c), 0) for c in self.adaptive.candidates}
 
     @property
     def avg_spec_accept_length(self) -> float | None:

@@ -2,8 +2,9 @@
 
 Candidates: the configured tree shape, and no speculation (plain decoding steps that keep the draft
 up to date, `loop.plain_steps`). Both are lossless, so the choice changes speed only. Before each
-block of BLOCK_ROUNDS rounds the engine runs the candidate with the most expected tokens per second
-for the requests still running:
+block of BLOCK_ROUNDS rounds (the offline engine, `Adaptive.run`) or each dispatch (the server,
+which feeds `observe_cost` / `observe_acceptance` itself) the candidate with the most expected
+tokens per second for the requests still running is run:
 
     value(shape) = sum over running requests of E[tokens per round | shape, request] / cost(shape, B)
 
@@ -73,13 +74,17 @@ class Adaptive:
         frac = (surv[:, 1:] + PRIOR_ROUNDS * p) / (surv[:, :1] + PRIOR_ROUNDS)
         return 1.0 + frac.sum(-1)
 
-    def choose(self, batch: int, surv: np.ndarray, greedy: np.ndarray) -> SpecConfig | None:
-        """The candidate for the next block; surv: [R, D + 1] and greedy [R] of the running requests."""
+    def choose(self, batch: int, surv: np.ndarray, greedy: np.ndarray, n_plain: int = 0) -> SpecConfig | None:
+        """The candidate for the next block; surv: [R, D + 1] and greedy [R] of the running
+        speculative requests; n_plain: running requests that never speculate (one token per round
+        either way)."""
+        if len(surv) == 0:
+            return None
         for c in self.candidates:  # measure every candidate's cost first, the configured shape first
             if len(self.cost.get((shape_label(c), batch), [])) < 2:
                 return c
-        spec_rate = self.expected_tokens(surv, greedy).sum() / self.round_cost(self.spec, batch)
-        better = spec_rate * (1 + MARGIN) >= len(surv) / self.round_cost(None, batch)
+        spec_rate = (self.expected_tokens(surv, greedy).sum() + n_plain) / self.round_cost(self.spec, batch)
+        better = spec_rate * (1 + MARGIN) >= (len(surv) + n_plain) / self.round_cost(None, batch)
         if self.exploring and not better:  # the last block looked again and confirmed: look less often
             self.explore_gap = min(2 * self.explore_gap, EXPLORE_MAX)
         self.exploring = False
@@ -91,6 +96,25 @@ class Adaptive:
             self.since_explore, self.exploring = 0, True
             return self.spec
         return None
+
+    def observe_cost(self, spec: SpecConfig | None, batch: int, seconds: float, rounds: int, sig: tuple) -> None:
+        """A block of `rounds` rounds of `spec` at batch size `batch` took `seconds`. sig: the
+        compiled program that ran it; its first run (compiling, setting up) is not a cost sample."""
+        if sig in self.compiled and rounds > 0:
+            key = (shape_label(spec), batch)
+            self.cost[key] = [*self.cost.get(key, []), seconds / rounds][-COST_SAMPLES:]
+        self.compiled.add(sig)
+
+    def observe_acceptance(self, block_hist: np.ndarray, greedy: np.ndarray) -> np.ndarray:
+        """block_hist [R, D + 1]: rounds of a speculative block that accepted 0 .. D drafts, per
+        request; greedy [R]. Adds them to the prior of each kind; returns their survival counts
+        [R, D + 1] (rounds that accepted >= j)."""
+        block_surv = np.cumsum(block_hist[:, ::-1], axis=1)[:, ::-1].astype(np.float64)
+        for g in (False, True):
+            total = block_surv[greedy == g].sum(0)
+            if total[0] > 0:
+                self.prior[g] = total + PRIOR_DECAY * self.prior.get(g, np.zeros_like(total))
+        return block_surv
 
     def round_cost(self, spec: SpecConfig | None, batch: int) -> float:
         return float(np.median(self.cost[(shape_label(spec), batch)]))
@@ -114,22 +138,10 @@ class Adaptive:
             t = time.perf_counter()
             state = block(c, state)
             done, vct2, hist2 = (np.asarray(x) for x in jax.device_get((state.done, state.verify_ct, state.hist)))
-            dt = time.perf_counter() - t
             took = (vct2 - vct)[:n]
-            rounds = int(took.max(initial=0))
-            if sig in self.compiled and rounds > 0:
-                self.cost[(shape_label(c), batch)] = [*self.cost.get((shape_label(c), batch), []), dt / rounds][
-                    -COST_SAMPLES:
-                ]
-            self.compiled.add(sig)
+            self.observe_cost(c, batch, time.perf_counter() - t, int(took.max(initial=0)), sig)
             used[:, 0 if c is not None else 1] += took
             if c is not None:
-                h = (hist2 - hist)[:n, 1:].astype(np.float64)  # [n, D + 1]: rounds that accepted 0 .. D
-                block_surv = np.cumsum(h[:, ::-1], axis=1)[:, ::-1]  # rounds that accepted >= j
-                surv += block_surv
-                for g in (False, True):
-                    total = block_surv[greedy == g].sum(0)
-                    if total[0] > 0:
-                        self.prior[g] = total + PRIOR_DECAY * self.prior.get(g, np.zeros_like(total))
+                surv += self.observe_acceptance((hist2 - hist)[:n, 1:], greedy)
             vct, hist = vct2, hist2
         return state, used

@@ -288,10 +288,24 @@ def spec_start(
     return dataclasses.replace(state, draft=dstate)
 
 
-def plain_steps(tgt, prop: Proposer, dparams, state: SpecState, st, max_new_tokens, stop_ids, steps, backend, sampled):
+def plain_steps(
+    tgt,
+    prop: Proposer,
+    dparams,
+    state: SpecState,
+    st,
+    max_new_tokens,
+    stop_ids,
+    steps: int,
+    backend,
+    sampled: bool,
+    early_exit: bool = True,
+):
     """Up to `steps` plain decoding steps on a speculative state (speculation off), then one draft
     extension over the tokens they emitted, so that a later round finds the draft up to date.
-    Each step counts as a round that emitted one token. Returns the state."""
+    Each step counts as a round that emitted one token. Penalties apply where the state carries
+    counts / seen (the server). early_exit: stop once every slot is done (False: all `steps` run,
+    finished slots as padding; a loop of known trip count). Returns the state."""
     b = state.last.shape[0]
     first_last = state.last
 
@@ -302,8 +316,12 @@ def plain_steps(tgt, prop: Proposer, dparams, state: SpecState, st, max_new_toke
             s.last[:, None], s.cache.lengths[:, None], s.cache, capture_layers=prop.capture_layers, backend=backend
         )
         keys = jax.vmap(jax.random.fold_in)(jax.vmap(jax.random.fold_in)(st.keys, jnp.full((b,), 2)), s.num_out)
-        zeros = jnp.zeros((b, tgt.cfg.vocab_size), jnp.int32)
-        tok = sample(tgt.logits(h[:, 0]).astype(jnp.float32), st, zeros, zeros > 0, keys, sampled)
+        if s.counts is None:
+            counts = jnp.zeros((b, tgt.cfg.vocab_size), jnp.int32)
+            seen = counts > 0
+        else:
+            counts, seen = s.counts, s.seen
+        tok = sample(tgt.logits(h[:, 0]).astype(jnp.float32), st, counts, seen, keys, sampled)
         cache = dataclasses.replace(cache, lengths=cache.lengths + active)
         hist = s.hist.at[:, 1].add(active.astype(jnp.int32))
         s = dataclasses.replace(s, cache=cache, verify_ct=s.verify_ct + active, hist=hist)
@@ -319,9 +337,11 @@ def plain_steps(tgt, prop: Proposer, dparams, state: SpecState, st, max_new_toke
     toks = jnp.zeros((b, steps), jnp.int32)
     feats = jnp.zeros((b, steps, 1 if f is None else f.shape[-1]), tgt.embed_tokens[...].dtype)
     ct0 = state.verify_ct
-    _, state, toks, feats = jax.lax.while_loop(
-        lambda c: (c[0] < steps) & ~jnp.all(c[1].done), step, (jnp.int32(0), state, toks, feats)
-    )
+    carry = (jnp.int32(0), state, toks, feats)
+    if early_exit:
+        _, state, toks, feats = jax.lax.while_loop(lambda c: (c[0] < steps) & ~jnp.all(c[1].done), step, carry)
+    else:
+        _, state, toks, feats = jax.lax.fori_loop(0, steps, lambda _, c: step(c), carry)
     n = state.verify_ct - ct0  # steps each slot took part in
     if prop.root_in_region:  # block = [x_L, emitted...]
         block, n_block, bfeats = jnp.concatenate([first_last[:, None], toks], 1), n + 1, None
