@@ -116,7 +116,7 @@ def main():
     print(
         f"SmolLM2-135M-Instruct float32, {len(ids)} MT-bench first turns, max {args.max_new_tokens} new tokens, batch {args.batch_size}"
     )
-    print("| temperature | algorithm | accept length | tok/s | speedup | rounds without speculation |")
+    print("| temperature | algorithm | accept length | tok/s | speedup | rounds per shape (adaptive) |")
     print("|---|---|---|---|---|---|")
     rows = []
     for temp in args.temperatures:
@@ -127,7 +127,8 @@ def main():
         )
         base = None
         for (algo, _), (tokens, verify, dt, hist, shapes) in zip(engines, run(engines, ids, sp, args.batch_size)):
-            off = f"{shapes.get('off', 0) / max(sum(shapes.values()), 1):.0%}" if shapes else "-"
+            total = max(sum(shapes.values()), 1)
+            share = ", ".join(f"{k} {v / total:.0%}" for k, v in shapes.items()) if shapes else "-"
             tps = tokens / dt
             base = base or tps
             acc = tokens / max(verify, 1)
@@ -142,7 +143,7 @@ def main():
                     shapes=shapes,
                 )
             )
-            print(f"| {temp:g} | {algo} | {acc:.2f} | {tps:.1f} | {tps / base:.2f} | {off} |", flush=True)
+            print(f"| {temp:g} | {algo} | {acc:.2f} | {tps:.1f} | {tps / base:.2f} | {share} |", flush=True)
             if hist:
                 histogram_svg(
                     hist,

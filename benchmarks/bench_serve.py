@@ -9,7 +9,7 @@ each concurrency `c` runs the modes one after another, interleaved, so that they
 machine: MT-bench first turns as streaming chat completions from `c` client threads. It reports
 output throughput (completion tokens / wall time), request latency and time-to-first-token
 percentiles, the gaps between streamed chunks (how smooth streaming is), the mean accept length,
-and the share of rounds that adaptive speculation ran without speculation. Each level is bounded
+and the share of rounds run with each tree shape (adaptive speculation). Each level is bounded
 by --requests and --time-limit; each level first runs once untimed (--warmup) for every mode.
 """
 
@@ -87,11 +87,20 @@ def start_server(extra, port, args):
 
 
 def metric_values(port, name: str) -> dict[str, float]:
-    """{labels: value} of the /metrics lines of jaxspec:<name>."""
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    c.request("GET", "/metrics")
+    """{labels: value} of the /metrics lines of jaxspec:<name> (retried: a server busy compiling
+    may drop a connection)."""
+    for attempt in range(10):
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            c.request("GET", "/metrics")
+            text = c.getresponse().read().decode()
+            break
+        except OSError:
+            if attempt == 9:
+                raise
+            time.sleep(5)
     out = {}
-    for line in c.getresponse().read().decode().splitlines():
+    for line in text.splitlines():
         if line.startswith(f"jaxspec:{name}{{"):
             labels, value = line[len(name) + 9 :].rsplit(" ", 1)
             out[labels.rstrip("}")] = float(value)
@@ -99,10 +108,10 @@ def metric_values(port, name: str) -> dict[str, float]:
     return out
 
 
-def off_rounds(port) -> tuple[float, float]:
-    """(rounds without speculation, all rounds) the server ran so far."""
+def shape_rounds(port) -> dict[str, float]:
+    """Rounds the server ran so far with each tree shape ("off": plain steps)."""
     v = metric_values(port, "spec_shape_rounds_total")
-    return sum(x for k, x in v.items() if 'shape="off"' in k), sum(v.values())
+    return {k.split('shape="')[1].rstrip('"'): x for k, x in v.items()}
 
 
 def wait_background(ports, timeout: float) -> float:
@@ -222,7 +231,7 @@ def main():
     print(f"# {machine()}\n# max_tokens {args.max_tokens}, {args.requests} requests per level")
     print(
         "| mode | temperature | concurrency | requests | out tok/s | accept | latency p50 / p90 / p99 (s) | TTFT p50 / p99 (s) "
-        "| stream gap p50 / p99 (ms) | rounds without speculation |"
+        "| stream gap p50 / p99 (ms) | rounds per shape |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     servers, results = {}, []
@@ -237,16 +246,17 @@ def main():
                 for port, _, _ in servers.values():
                     run_level(port, questions, conc, temperature, args)
             for mode, (port, _, startup) in servers.items():
-                off0, all0 = off_rounds(port)
+                before = shape_rounds(port)
                 r = dict(mode=mode, startup_s=startup, **run_level(port, questions, conc, temperature, args))
-                off1, all1 = off_rounds(port)
-                r["off_share"] = (off1 - off0) / (all1 - all0) if all1 > all0 else float("nan")
+                ran = {k: v - before.get(k, 0) for k, v in shape_rounds(port).items()}
+                r["shape_rounds"] = ran
                 results.append(r)
-                off = "-" if np.isnan(r["off_share"]) else f"{100 * r['off_share']:.0f}%"
+                total = sum(ran.values())
+                shares = ", ".join(f"{k} {v / total:.0%}" for k, v in ran.items()) if total else "-"
                 print(
                     f"| {mode} | {temperature:g} | {conc} | {r['requests']} | {r['tok_per_s']:.1f} | {r['accept']:.2f} | "
                     f"{r['lat_p50']:.2f} / {r['lat_p90']:.2f} / {r['lat_p99']:.2f} | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | "
-                    f"{1e3 * r['gap_p50']:.0f} / {1e3 * r['gap_p99']:.0f} | {off} |",
+                    f"{1e3 * r['gap_p50']:.0f} / {1e3 * r['gap_p99']:.0f} | {shares} |",
                     flush=True,
                 )
     finally:

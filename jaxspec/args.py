@@ -136,8 +136,8 @@ class SpeculativeArgs:
     )
     speculative_adaptive: bool | None = flag(
         None,
-        "choose per block of rounds (server: per dispatch) between the tree shape and no speculation, from "
-        "measured round cost and acceptance (unset: on for the shipped drafts)",
+        "choose per block of rounds (server: per dispatch) among the tree shape, a shallower one and no "
+        "speculation, from measured round cost and acceptance (unset: on for the shipped drafts)",
     )
     speculative_ngram_min_match_window_size: int = flag(1, "NGRAM: shortest suffix match used")
     speculative_ngram_max_match_window_size: int = flag(12, "NGRAM: longest suffix match tried")

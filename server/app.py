@@ -25,7 +25,6 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxspec.errors import JaxspecError
-from jaxspec.speculative.adaptive import OFF, shape_label
 from server import protocol
 from server.scheduler import QueueFull, Scheduler
 from server.scheduler import Request as SchedRequest
@@ -548,8 +547,7 @@ def prometheus_text(sched: Scheduler, model: str) -> str:
     out = []
     for name, kind, help_, value in rows:
         out += [f"# HELP jaxspec:{name} {help_}", f"# TYPE jaxspec:{name} {kind}", f"jaxspec:{name}{label} {value}"]
-    if sched.spec is not None:  # per tree shape ("off": plain steps, chosen by adaptive speculation)
-        shapes = [shape_label(sched.spec)] + ([OFF] if sched.adaptive is not None else [])
+    if sched.spec is not None:  # per tree shape (adaptive speculation's candidates; "off": plain steps)
         for name, help_, counts in (
             ("spec_shape_dispatches_total", "dispatches run with each tree shape", st.shape_dispatches),
             (
@@ -559,5 +557,5 @@ def prometheus_text(sched: Scheduler, model: str) -> str:
             ),
         ):
             out += [f"# HELP jaxspec:{name} {help_}", f"# TYPE jaxspec:{name} counter"]
-            out += [f'jaxspec:{name}{label[:-1]},shape="{x}"}} {counts[x]}' for x in shapes]
+            out += [f'jaxspec:{name}{label[:-1]},shape="{x}"}} {counts[x]}' for x in sched.shapes]
     return "\n".join(out) + "\n"

@@ -4,10 +4,12 @@ The scheduler runs three programs (jaxspec/serving.py), each specialised on a fe
 
   ("chunk", n, C, span)     admit_chunk: one prefill chunk of C tokens for n new requests
   ("finish", n)             admit_finish: their first tokens (its draft extension reads every column)
-  ("dispatch", n_act, span, sampled, tree)
+  ("dispatch", n_act, span, sampled, shape)
                             dispatch: k rounds for slots [0, n_act); sampled=False is a
-                            greedy-only program (no sampler), True serves any mix; tree=False
-                            (adaptive speculation) runs plain steps instead of the tree shape
+                            greedy-only program (no sampler), True serves any mix; shape: the
+                            tree shape's label (speculative/adaptive.py shape_label; "off" is
+                            plain decoding), the configured one or another candidate of
+                            adaptive speculation (a shallower tree, or plain steps)
 
 `span` is how many KV columns attention reads. A program for a larger n_act, C or span than a call
 needs is still correct (extra slots are stopped, extra columns are masked, a chunk is zero-padded),
@@ -15,10 +17,10 @@ only slower, and a sampled=True dispatch serves greedy slots too. So no request 
 XLA: start-up compiles a *cover* set that serves any request within --context-length and
 --max-running-requests (the short shapes exactly, the rest through the largest programs, all
 sampled=True), a background thread then compiles every other shape (most useful first: the
-greedy-only twins of the start-up dispatches, then their plain-step twins when adaptive
-speculation is on; with the persistent compilation cache, a restart loads them from disk), and
+greedy-only twins of the start-up dispatches, then, with adaptive speculation, their twins for
+its other candidates; with the persistent compilation cache, a restart loads them from disk), and
 each call takes the cheapest program compiled so far that covers it (adaptive speculation runs
-plain steps only once a plain-step program covers the call).
+another candidate only once a program of that candidate covers the call).
 Only with --disable-cuda-graph (nothing compiled ahead) does a call compile on first use.
 """
 
@@ -46,6 +48,21 @@ from jaxspec.serving import admit_chunk, admit_finish, dispatch
 logger = logging.getLogger("jaxspec.server")
 
 SHORT_CHUNK = 64  # the smallest prefill chunk (or --chunked-prefill-size if smaller)
+# Background compiles stop once the process holds this share of the kernel's memory-map limit
+# (vm.max_map_count, 65530 by default): an XLA:CPU program maps about 800 regions, so a few
+# dozen programs beyond the start-up set would make the next compile fail and abort the process.
+MAP_BUDGET = 0.7
+
+
+def map_usage() -> tuple[int, int] | None:
+    """(memory maps this process holds, the kernel's limit), or None where /proc does not say."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            used = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            return used, int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def _spec(x):
@@ -150,23 +167,25 @@ class Programs:
         short = [x for x in spans if x <= 512] or spans[:1]
         keys = [("finish", 1)] + [("chunk", 1, self.chunk_for(x), x) for x in spans]
         for n in self.sizes(max_bs):
-            keys += [("dispatch", n, x, True, True) for x in short]
-        keys += [("dispatch", 1, s.max_len, True, True), ("dispatch", s.slots, s.max_len, True, True)]
+            keys += [("dispatch", n, x, True, s.main_shape) for x in short]
+        keys += [("dispatch", 1, s.max_len, True, s.main_shape), ("dispatch", s.slots, s.max_len, True, s.main_shape)]
         return list(dict.fromkeys(keys))
 
     def background_keys(self) -> list[tuple]:
         """Every other shape, most useful first: one request at every span, then every batch size,
-        then admission of several requests at once (bursts of short prompts). Greedy-only twins
-        of the start-up dispatches come first, then (adaptive speculation) their plain-step
-        twins; the twins of the others come last."""
-        spans, sizes = self.spans(), self.sizes()
+        then admission of several requests at once (bursts of short prompts). With adaptive
+        speculation, the twins of the start-up dispatches for its other candidates come first
+        (plain steps first; without them it cannot choose), then the greedy-only twins of the
+        start-up dispatches; the twins of the others come last. The list may be cut short by
+        MAP_BUDGET, so the most useful come first."""
+        spans, sizes, main = self.spans(), self.sizes(), self.sched.main_shape
         greedy = lambda ks: [k[:3] + (False, k[4]) for k in ks if k[0] == "dispatch"]
-        plain = lambda ks: [k[:4] + (False,) for k in ks if k[0] == "dispatch"] if self.sched.adaptive else []
+        others = [x for x in reversed(self.sched.shapes) if x != main]  # plain steps, then shallower trees
+        twins = lambda ks: [k[:4] + (x,) for x in others for k in ks if k[0] == "dispatch"]
         startup = self.startup_keys(self.startup_bs)
-        keys = greedy(startup)
-        keys += plain(startup + keys)
-        rest = [("dispatch", 1, x, True, True) for x in spans]
-        rest += [("dispatch", n, x, True, True) for x in spans for n in sizes]
+        keys = twins(startup) + greedy(startup)
+        rest = [("dispatch", 1, x, True, main) for x in spans]
+        rest += [("dispatch", n, x, True, main) for x in spans for n in sizes]
         keys += rest
         # tiny prompts under a large min span
         keys += [("chunk", 1, c, spans[0]) for c in self.chunk_sizes() if c < spans[0]]
@@ -174,7 +193,7 @@ class Programs:
             keys.append(("finish", n))
             keys += [("chunk", n, self.chunk_for(x), x) for x in spans if x <= 512]
         keys += greedy(rest)
-        keys += plain(rest + greedy(rest))
+        keys += twins(greedy(startup) + rest + greedy(rest))
         return [k for k in dict.fromkeys(keys) if k not in self._have()]
 
     # ---- compiling -----------------------------------------------------------------------------
@@ -196,13 +215,13 @@ class Programs:
         sds = jax.ShapeDtypeStruct
         dparams = jax.tree_util.tree_map(_spec, eng.dparams)
         if key[0] == "dispatch":
-            _, n_act, span, sampled, tree = key
+            _, n_act, span, sampled, shape = key
             return dispatch.lower(
                 eng.graphdef,
                 self._params_spec,
                 s.prop,
                 dparams,
-                s.spec if tree else None,
+                s.shapes[shape],
                 self._batch_spec,
                 sds((s.slots,), bool),
                 k=s.k,
@@ -308,7 +327,7 @@ class Programs:
                 jnp.zeros((n, eng.cfg.vocab_size), bool),
             )
         else:  # slots [0, n_act) decode k rounds from one committed column, with no stop in sight
-            _, n, _span, _sampled, _tree = key
+            _, n, _span, _sampled, _shape = key
             b = s.batch
             fresh = lambda x: dataclasses.replace(x, lengths=x.lengths.at[:n].set(1)) if isinstance(x, KVCache) else x
             core = jax.tree_util.tree_map(fresh, b.core, is_leaf=lambda x: isinstance(x, KVCache))
@@ -335,6 +354,17 @@ class Programs:
             t = time.perf_counter()
             for key in keys:
                 if self._stop:
+                    return
+                usage = map_usage()
+                if usage is not None and usage[0] > MAP_BUDGET * usage[1]:
+                    self.background_total = self.background_done
+                    logger.warning(
+                        "background compiles stopped after %d of %d programs: the process holds %d memory maps of "
+                        "the kernel's %d (vm.max_map_count); the shapes left are served by larger programs",
+                        self.background_done,
+                        len(keys),
+                        *usage,
+                    )
                     return
                 if self.idle_only:  # on a CPU, compiling takes the cores a request would use: wait for a quiet moment
                     while not self._stop and not self.sched.idle_for(0.5):
@@ -374,21 +404,23 @@ class Programs:
             prog = self.compile(key)
         return prog
 
-    def dispatch_key(self, n_act: int, span: int, sampled: bool = True, tree: bool = True) -> tuple | None:
-        """The cheapest compiled ("dispatch", n', span', s', tree) with n' >= n_act, span' >= span
+    def dispatch_key(self, n_act: int, span: int, sampled: bool = True, shape: str | None = None) -> tuple | None:
+        """The cheapest compiled ("dispatch", n', span', s', shape) with n' >= n_act, span' >= span
         and s' >= sampled (a sampling program serves greedy slots, at the cost of its sampler).
-        None when tree is False and no compiled plain-step program covers the call (the tree
-        shape serves it instead); with tree True, the exact key when nothing covers it."""
-        exact = ("dispatch", n_act, span, sampled, tree)
+        shape: a label of sched.shapes (default: the configured one). When no compiled program
+        covers the call: the exact key for the configured shape (compiled now), None for another
+        candidate of adaptive speculation (the configured shape serves the call instead)."""
+        shape = self.sched.main_shape if shape is None else shape
+        exact = ("dispatch", n_act, span, sampled, shape)
         have = [
             k
             for k in self._have()
-            if k[0] == "dispatch" and k[1] >= n_act and k[2] >= span and k[3] >= sampled and k[4] == tree
+            if k[0] == "dispatch" and k[1] >= n_act and k[2] >= span and k[3] >= sampled and k[4] == shape
         ]
         if self.lazy or exact in have:
             return exact
         if not have:
-            return exact if tree else None
+            return exact if shape == self.sched.main_shape else None
         return min(have, key=lambda k: (k[1] * (1024 + k[2]), k[3]))
 
     def finish_sizes(self) -> list[int]:

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.config import SpecConfig
 from jaxspec.decode import LENGTH, STOPPED
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
@@ -69,7 +70,7 @@ class Request:
     slot: int | None = None
     verify_ct: int = 0
     hist: list[int] | None = None
-    surv: np.ndarray | None = None  # [D + 1] rounds that accepted >= j drafts (adaptive speculation)
+    acc: np.ndarray | None = None  # [2, D] rounds that reached / accepted each depth (adaptive speculation)
     shape_rounds: dict[str, int] = dataclasses.field(default_factory=dict)  # rounds per adaptive candidate
     finished: bool = False
     cancelled: bool = False
@@ -119,7 +120,7 @@ class Pending:
     out: Any  # device arrays
     seq: int = 0  # this call's place among the device calls (Scheduler._seq)
     t_enqueued: float = 0.0
-    spec: Any = None  # dispatch: the tree shape it ran (None: plain steps)
+    spec: Any = None  # dispatch: the tree shape it ran (None: plain steps or plain decoding)
     n_act: int = 0  # dispatch: the batch size it was chosen for
     key: tuple = ()  # dispatch: its compiled program
 
@@ -169,6 +170,10 @@ class Scheduler:
         # adaptive speculation: per dispatch, the tree shape or plain steps (its own cost table:
         # a dispatch's rounds are not the offline engine's programs)
         self.adaptive = Adaptive(self.spec) if self.spec and self.spec.adaptive else None
+        # label -> tree shape of each dispatch kind (server/programs.py): the configured one first
+        cands = self.adaptive.candidates if self.adaptive else [self.spec]
+        self.shapes: dict[str, SpecConfig | None] = {shape_label(c): c for c in cands}
+        self.main_shape = shape_label(self.spec)
         gpu = jax.devices()[0].platform != "cpu"
         self.k = int(decode_steps or (8 if gpu else 2))
         # smallest KV span a program reads: long spans cost little on a GPU (fewer programs), but
@@ -576,8 +581,8 @@ class Scheduler:
         sampled = any_sampled(r.params for r in busy.values())
         span = self._span(need)
         spec = self._choose(busy, n_act)
-        key = self.programs.dispatch_key(n_act, span, sampled, spec is not None)
-        if key is None:  # plain steps chosen but not compiled yet: the tree shape serves as well
+        key = self.programs.dispatch_key(n_act, span, sampled, shape_label(spec))
+        if key is None:  # another candidate chosen but not compiled yet: the configured shape serves as well
             spec, key = self.spec, self.programs.dispatch_key(n_act, span, sampled)
         prog = self.programs.get(key)
         self._seq += 1
@@ -591,10 +596,10 @@ class Scheduler:
         if self.adaptive is None:
             return self.spec
         spec_reqs = [r for r in busy.values() if r.speculative]
-        d = self.spec.num_steps
-        surv = np.array([r.surv if r.surv is not None else np.zeros(d + 1) for r in spec_reqs]).reshape(-1, d + 1)
+        none = self.adaptive.empty(1)[0]
+        acc = np.array([none if r.acc is None else r.acc for r in spec_reqs]).reshape((-1,) + none.shape)
         greedy = np.array([r.params.temperature <= 0 for r in spec_reqs], bool)
-        return self.adaptive.choose(n_act, surv, greedy, n_plain=len(busy) - len(spec_reqs))
+        return self.adaptive.choose(n_act, acc, greedy, n_plain=len(busy) - len(spec_reqs))
 
     # ---- results -----------------------------------------------------------------------------
 
@@ -659,12 +664,11 @@ class Scheduler:
         reqs = [(s, r) for s, r in item.slots.items() if r.speculative and s in took]
         if not reqs:
             return
-        d = self.spec.num_steps
         block = np.stack([hist[s][1:] - (np.asarray(r.hist) if r.hist is not None else 0) for s, r in reqs])
         greedy = np.array([r.params.temperature <= 0 for _, r in reqs], bool)
-        surv = self.adaptive.observe_acceptance(block.reshape(-1, d + 1), greedy)
-        for (_, r), x in zip(reqs, surv):
-            r.surv = x if r.surv is None else r.surv + x
+        acc = self.adaptive.observe_acceptance(block, greedy, item.spec.num_steps)
+        for (_, r), x in zip(reqs, acc):
+            r.acc = x if r.acc is None else r.acc + x
 
     def _advance(self, r: Request, toks, done_code, verify_ct, hist, first=False) -> None:
         if r.finished or r.cancelled:

@@ -12,7 +12,7 @@ import pytest
 from jaxspec.config import SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingParams
-from jaxspec.speculative.adaptive import EXPLORE_MIN, OFF, PRIOR_ROUNDS, Adaptive, shape_label
+from jaxspec.speculative.adaptive import EXPLORE_MIN, MARGIN, OFF, PRIOR_ROUNDS, Adaptive, shallower, shape_label
 
 from helpers import (  # noqa: F401 - models is a fixture
     GREEDY,
@@ -29,42 +29,71 @@ SPEC = SpecConfig("EAGLE3", "x", 2, 1, 3, adaptive=True)
 
 
 def _forced(eng, order, rounds=1):
-    """Makes eng's adaptive choice follow `order` (cycled; True = the tree shape, False = off), in
-    blocks of `rounds` rounds."""
+    """Makes eng's adaptive choice follow `order` (cycled; indices into its candidates: 0 the
+    configured shape, 1 the shallower one, -1 no speculation), in blocks of `rounds` rounds."""
     shapes = itertools.cycle(order)
     eng.adaptive.rounds = rounds
-    eng.adaptive.choose = lambda batch, surv, greedy, n_plain=0: eng.spec if next(shapes) else None
+    eng.adaptive.choose = lambda batch, acc, greedy, n_plain=0: eng.adaptive.candidates[next(shapes)]
     return eng
+
+
+def test_candidates():
+    a = Adaptive(SPEC)
+    assert [shape_label(c) for c in a.candidates] == ["2/1/3", "1/1/2", OFF]
+    assert a.candidates[0] is SPEC and a.index(None) == 2 and a.index(a.candidates[1]) == 1
+    assert shallower(SpecConfig("EAGLE3", "x", 5, 4, 8)) == SpecConfig("EAGLE3", "x", 2, 4, 8)
+    assert shallower(SpecConfig("EAGLE3", "x", 3, 2, 6)) == SpecConfig("EAGLE3", "x", 1, 2, 3)
+    assert shallower(SpecConfig("EAGLE3", "x", 1, 1, 2)) is None
+    assert [shape_label(c) for c in Adaptive(SpecConfig("EAGLE3", "x", 1, 1, 2)).candidates] == ["1/1/2", OFF]
+
+
+def test_acceptance_counts_stop_at_the_depth_a_shape_reaches():
+    a = Adaptive(SPEC)
+    greedy = np.array([True])
+    # a 1-step shape: 3 rounds accepted nothing, 2 their one draft; depth 2 was never reached
+    np.testing.assert_array_equal(a.observe_acceptance(np.array([[3, 2, 0]]), greedy, 1), [[[5, 0], [2, 0]]])
+    np.testing.assert_array_equal(a.observe_acceptance(np.array([[3, 2, 1]]), greedy, 2), [[[6, 3], [3, 1]]])
+    np.testing.assert_array_equal(a.prior[True], [[6 + 0.98 * 5, 3], [3 + 0.98 * 2, 1]])
 
 
 def test_choice_follows_cost_and_acceptance():
     a = Adaptive(SPEC)
+    half = a.candidates[1]
     one = np.array([True])
-    surv = np.zeros((1, 3))
-    assert a.choose(1, surv, one) is SPEC  # no cost measured yet: the tree shape first, then off
+    none = a.empty(1)
+    assert a.choose(1, none, one) is SPEC  # no cost measured yet: each candidate in turn
     a.cost[("2/1/3", 1)] = [0.06, 0.05, 0.07]
-    assert a.choose(1, surv, one) is None
+    assert a.choose(1, none, one) is half
+    a.cost[("1/1/2", 1)] = [0.05, 0.045]
+    assert a.choose(1, none, one) is None
     a.cost[(OFF, 1)] = [0.035]
-    assert a.choose(1, surv, one) is None  # measured twice before it counts
+    assert a.choose(1, none, one) is None  # measured twice before it counts
     a.cost[(OFF, 1)] = [0.035, 0.5, 0.03]  # one slow block does not decide
-    # accept length 1.1 per round: 1.1 / 0.06 < 1 / 0.035
-    low = np.array([[100.0, 10.0, 0.0]])
+    acc = lambda tried, passed: np.array([[tried, passed]], float)
+    # depth 1 accepted 10%: 1.16 / 0.0475 and 1.2 / 0.06 < 1 / 0.035
+    low = acc([100, 10], [10, 0])
     picks = [a.choose(1, low, one) for _ in range(EXPLORE_MIN + 1)]
     assert picks[:EXPLORE_MIN] == [None] * EXPLORE_MIN and picks[-1] is SPEC  # then a look again
     assert a.choose(1, low, one) is None and a.explore_gap == 2 * EXPLORE_MIN  # confirmed: looks less often
-    # accept length 2.5: 2.5 / 0.06 > 1 / 0.035
-    high = np.array([[100.0, 90.0, 60.0]])
-    assert a.choose(1, high, one) is SPEC
-    assert a.explore_gap == EXPLORE_MIN
-    # within the margin (1.68 / 0.06 is 2% short of 1 / 0.035): speculation goes on
-    near = np.array([[1000.0, 530.0, 150.0]])
-    assert a.choose(1, near, one) is SPEC
-    # the prior of the request's kind, worth PRIOR_ROUNDS rounds
-    a.prior = {True: np.array([10.0, 5.0, 2.0]), False: np.array([10.0, 1.0, 0.0])}
+    # both depths accepted often: 2.39 / 0.06 > 1.85 / 0.0475 > 1 / 0.035
+    high = acc([100, 90], [90, 60])
+    assert a.choose(1, high, one) is SPEC and a.explore_gap == EXPLORE_MIN
+    # depth 1 often, depth 2 rarely: the shallower shape, 1.6 / 0.0475 > 1.66 / 0.06, 1 / 0.035
+    mid = acc([1000, 600], [600, 60])
+    assert a.choose(1, mid, one) is half
+    # within the margin: 1 / 0.035 is 2% above the best shape's rate, so speculation goes on
+    a.cost[("1/1/2", 1)] = [0.0571, 0.0571]
+    assert a.choose(1, mid, one) is half
+    # requests that never speculate add one token per round to every candidate
+    assert a.choose(1, low, one, n_plain=3) is None
+    # the prior of the request's kind, worth PRIOR_ROUNDS rounds, per depth
+    a.prior = {True: np.array([[10.0, 5.0], [5.0, 2.0]]), False: np.array([[10.0, 0.0], [1.0, 0.0]])}
     w = PRIOR_ROUNDS
-    assert a.expected_tokens(high, one)[0] == pytest.approx(1 + (90 + w * 0.5) / (100 + w) + (60 + w * 0.2) / (100 + w))
-    none = np.zeros((2, 3))
-    np.testing.assert_allclose(a.expected_tokens(none, np.array([True, False])), [1.7, 1.1])
+    c1, c2 = (90 + w * 0.5) / (100 + w), (60 + w * 0.4) / (90 + w)
+    assert a.expected_tokens(high, one)[0] == pytest.approx(1 + c1 + c1 * c2)
+    assert a.expected_tokens(high, one, half)[0] == pytest.approx(1 + c1)
+    # no prior at a depth (only shallower rounds seen): one half, as before any round
+    np.testing.assert_allclose(a.expected_tokens(a.empty(2), np.array([True, False])), [1.7, 1.1 + 0.1 * 0.5])
     assert shape_label(SPEC) == "2/1/3" and shape_label(None) == OFF
 
 
@@ -73,10 +102,10 @@ def test_choice_follows_cost_and_acceptance():
     [("STANDALONE", "target", (4, 1, 5), "target"), ("EAGLE3", "eagle3", (3, 2, 6), "target")],
 )
 def test_alternating_blocks_are_lossless(models, algo, draft, knobs, target):  # noqa: F811
-    """Blocks alternate between the tree and plain steps: greedy output equals plain decoding, and
-    with the target as its own draft every round after a plain block still accepts every draft
-    token (the plain steps kept the draft's cache in step)."""
-    eng = _forced(engine(models, algo, draft, knobs, target=target, speculative_adaptive=True), [True, False])
+    """Blocks cycle through the tree, plain steps and the shallower tree: greedy output equals plain
+    decoding, and with the target as its own draft every round after a plain block still accepts
+    every draft token (the plain steps kept the draft's cache in step)."""
+    eng = _forced(engine(models, algo, draft, knobs, target=target, speculative_adaptive=True), [0, -1, 1])
     sp = dict(GREEDY, max_new_tokens=60)
     ref = engine(models).generate(input_ids=PROMPTS, sampling_params=sp)
     out = eng.generate(input_ids=PROMPTS, sampling_params=sp)
@@ -84,15 +113,16 @@ def test_alternating_blocks_are_lossless(models, algo, draft, knobs, target):  #
     for r, want in zip(out, ref):
         m = r["meta_info"]
         assert r["output_ids"] == want["output_ids"]
-        assert m["spec_shapes"][OFF] > 0 and m["spec_shapes"][shape_label(eng.spec)] > 0
+        assert all(m["spec_shapes"][shape_label(c)] > 0 for c in eng.adaptive.candidates)
         assert sum(m["spec_shapes"].values()) == m["spec_verify_ct"]
         assert m["spec_accept_histogram"][0] >= m["spec_shapes"][OFF]  # a plain step emits one token
-        if draft == "target":
-            assert m["spec_accept_histogram"][1:steps] == [0] * (steps - 1), m["spec_accept_histogram"]
-            assert m["spec_accept_histogram"][steps] > 0
+        if draft == "target":  # every round accepts its every draft: all steps, or the shallower tree's
+            half = eng.adaptive.candidates[1].num_steps
+            hist = m["spec_accept_histogram"]
+            assert [i for i, x in enumerate(hist) if x and i] == [half, steps], hist
 
 
-@pytest.mark.parametrize("order", [[False], [False, True], [True, False]], ids=["off", "off-tree", "tree-off"])
+@pytest.mark.parametrize("order", [[-1], [-1, 0], [0, -1, 1]], ids=["off", "off-tree", "tree-off-shallower"])
 def test_plain_blocks_sample_the_target_distribution(models, order):  # noqa: F811
     """(t1, t2) of sampled requests follow the target distribution with speculation off or
     alternating round by round (chi-square), and another temperature's distribution is rejected (power)."""
@@ -117,7 +147,7 @@ def _serve(eng, prompts, params, order, slots=2, **kw):
 
     sched = Scheduler(eng, max_running_requests=slots, **kw)
     shapes = itertools.cycle(order)
-    sched.adaptive.choose = lambda batch, surv, greedy, n_plain=0: eng.spec if next(shapes) else None
+    sched.adaptive.choose = lambda batch, acc, greedy, n_plain=0: sched.adaptive.candidates[next(shapes)]
     res = {}
     for i, p in enumerate(prompts):
         emit = lambda e, i=i: res.__setitem__(i, e["result"]) if e["type"] == "done" else None
@@ -128,25 +158,25 @@ def _serve(eng, prompts, params, order, slots=2, **kw):
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_server_dispatches_alternate_losslessly(models, overlap):  # noqa: F811
-    """Server dispatches alternate between the tree shape and plain steps: greedy outputs equal the
-    plain engine's, requests with a repetition penalty (which never speculate) keep their penalty in
-    plain-step dispatches, and meta_info / Stats count the rounds of each shape."""
+    """Server dispatches cycle through the tree shape, plain steps and the shallower tree: greedy
+    outputs equal the plain engine's, requests with a repetition penalty (which never speculate)
+    keep their penalty in plain-step dispatches, and meta_info / Stats count the rounds of each."""
     pen = dict(GREEDY, repetition_penalty=1.5, frequency_penalty=0.5)
     params = [GREEDY, pen, GREEDY, pen]
     ref = [r["output_ids"] for r in engine(models).generate(input_ids=PROMPTS, sampling_params=params)]
     eng = engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True)
-    out, sched = _serve(eng, PROMPTS, params, [True, False, False], overlap=overlap)
-    label = shape_label(eng.spec)
+    out, sched = _serve(eng, PROMPTS, params, [0, -1, -1, 1], overlap=overlap)
+    labels = [shape_label(c) for c in sched.adaptive.candidates]
     for i, (r, want) in enumerate(zip(out, ref)):
         m = r["meta_info"]
         assert r["output_ids"] == want, i
         if i % 2 == 0:
-            assert m["spec_shapes"][OFF] > 0 and m["spec_shapes"][label] > 0
+            assert all(m["spec_shapes"][x] > 0 for x in labels), m["spec_shapes"]
             assert sum(m["spec_shapes"].values()) == m["spec_verify_ct"]
         else:
             assert not m["speculative"] and "spec_shapes" not in m
     st = sched.stats
-    assert st.shape_dispatches[OFF] > 0 and st.shape_dispatches[label] > 0
+    assert all(st.shape_dispatches[x] > 0 for x in labels)
     assert st.shape_rounds[OFF] >= st.shape_dispatches[OFF]
 
 
@@ -158,28 +188,37 @@ def test_server_measures_costs_and_acceptance(models, plain):  # noqa: F811
 
     eng = engine(models, "STANDALONE", "target", (4, 1, 5), speculative_adaptive=True)
     sched = Scheduler(eng, max_running_requests=2, overlap=False)
-    picks, choose = [], sched.adaptive.choose
-    sched.adaptive.choose = lambda *a, **k: picks.append(choose(*a, **k)) or picks[-1]
+    a, picks, choose = sched.adaptive, [], sched.adaptive.choose
+
+    def spy(*args, **kw):  # (choice, whether every candidate's cost was known when it was made)
+        known = all(len(a.cost.get((shape_label(c), 2), [])) >= 2 for c in a.candidates)
+        picks.append((choose(*args, **kw), known))
+        return picks[-1][0]
+
+    a.choose = spy
     res = {}
     for i, p in enumerate(PROMPTS[:2]):
         emit = lambda e, i=i: res.__setitem__(i, e["result"]) if e["type"] == "done" else None
         sched.submit(Request(ids=p, params=SamplingParams.from_dict(dict(GREEDY, max_new_tokens=120)), emit=emit))
     sched.run_until_idle()
-    a, label = sched.adaptive, shape_label(eng.spec)
-    assert len(a.cost[(label, 2)]) >= 2 and len(a.cost[(OFF, 2)]) >= 2
-    assert a.prior[True][4] > 0 and a.prior[True][4] == a.prior[True][0]  # every round accepted all 4 drafts
-    speculate = 5 / a.round_cost(eng.spec, 2) > 1 / a.round_cost(None, 2)  # far from the margin either way
-    later = picks[6:]  # after both costs were measured: mostly the better one (the rest: looking again)
-    assert sum((c is not None) == speculate for c in later) > len(later) / 2, (a.cost, picks)
+    label = shape_label(eng.spec)
+    assert all(len(a.cost[(shape_label(c), 2)]) >= 2 for c in a.candidates)
+    np.testing.assert_array_equal(a.prior[True][0], a.prior[True][1])  # every depth reached was accepted
+    rate = {shape_label(c): (1 + (0 if c is None else c.num_steps)) / a.round_cost(c, 2) for c in a.candidates}
+    best = max(list(rate)[:-1], key=rate.get)  # the tree shapes' best, unless plain steps beat it by the margin
+    best = OFF if rate[OFF] > rate[best] * (1 + MARGIN) else best
+    later = [c for c, known in picks if known]  # mostly the best (the rest: looking again)
+    assert later and sum(shape_label(c) == best for c in later) > len(later) / 2, (a.cost, picks)
     for i, r in res.items():
         assert r["output_ids"][:24] == plain[len(PROMPTS[i])]
         shapes = r["meta_info"]["spec_shapes"]
-        assert shapes[label] > 0 and shapes[OFF] > 0 and sum(shapes.values()) == r["meta_info"]["spec_verify_ct"]
+        assert shapes[label] > 0 and sum(shapes.values()) == r["meta_info"]["spec_verify_ct"]
 
 
-def test_server_plain_step_programs_compile_in_the_background(models):  # noqa: F811
-    """The plain-step twins of the start-up dispatches are background programs, and a call is
-    served by one only once it is compiled (until then the tree shape serves it)."""
+def test_server_candidate_programs_compile_in_the_background(models):  # noqa: F811
+    """The twins of the start-up dispatches for the other candidates (plain steps, the shallower
+    tree) are background programs, and a call runs another candidate only once a program of it is
+    compiled (until then the configured shape serves it)."""
     from server.scheduler import Scheduler
 
     eng = engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True)
@@ -188,18 +227,21 @@ def test_server_plain_step_programs_compile_in_the_background(models):  # noqa: 
     progs.lazy = False
     startup = progs.startup_keys(2)
     bg = progs.background_keys()
-    assert all(k[4] for k in startup if k[0] == "dispatch")
-    assert {k[:4] + (False,) for k in startup if k[0] == "dispatch"} <= set(bg)
-    assert progs.dispatch_key(1, 64, False, tree=False) is None
-    progs.compile(("dispatch", 2, 128, True, False))
-    assert progs.dispatch_key(1, 64, False, tree=False) == ("dispatch", 2, 128, True, False)
-    assert progs.dispatch_key(1, 64, False, tree=True)[4] is True
+    assert list(sched.shapes) == ["3/2/6", "1/2/3", OFF] and sched.main_shape == "3/2/6"
+    assert all(k[4] == "3/2/6" for k in startup if k[0] == "dispatch")
+    for x in (OFF, "1/2/3"):
+        assert {k[:4] + (x,) for k in startup if k[0] == "dispatch"} <= set(bg)
+    assert progs.dispatch_key(1, 64, False, OFF) is None
+    progs.compile(("dispatch", 2, 128, True, OFF))
+    assert progs.dispatch_key(1, 64, False, OFF) == ("dispatch", 2, 128, True, OFF)
+    assert progs.dispatch_key(1, 64, False, "1/2/3") is None
+    assert progs.dispatch_key(1, 64, False)[4] == "3/2/6"
     assert Scheduler(engine(models, "EAGLE3", "eagle3", (3, 2, 6)), max_running_requests=2).adaptive is None
 
 
 def test_server_dispatch_programs_have_no_vocab_sort_and_no_branch(models):  # noqa: F811
-    """Both kinds of sampled server dispatch (tree rounds, plain steps) compile to straight-line
-    bodies: no sort over the vocabulary, no conditional."""
+    """Every kind of sampled server dispatch (tree rounds of either shape, plain steps) compiles to
+    straight-line bodies: no sort over the vocabulary, no conditional."""
     from test_sampling import assert_no_vocab_sort_or_branch
 
     from server.scheduler import Scheduler
@@ -207,6 +249,29 @@ def test_server_dispatch_programs_have_no_vocab_sort_and_no_branch(models):  # n
     from helpers import V
 
     sched = Scheduler(engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True), max_running_requests=2)
-    for tree in (True, False):
-        hlo = sched.programs._lower(("dispatch", 2, 64, True, tree)).compile().as_text()
+    for shape in sched.shapes:
+        hlo = sched.programs._lower(("dispatch", 2, 64, True, shape)).compile().as_text()
         assert_no_vocab_sort_or_branch(hlo, V)
+
+
+def test_background_compiles_stop_within_the_memory_map_budget(models, monkeypatch, caplog):  # noqa: F811
+    """Each XLA:CPU program holds hundreds of memory maps and the kernel's limit is fixed: once the
+    process is past MAP_BUDGET of it, the background compile stops (with a warning) instead of
+    compiling until a compile fails and aborts the server."""
+    import server.programs as programs_module
+    from server.scheduler import Scheduler
+
+    sched = Scheduler(engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True), max_running_requests=2)
+    progs = sched.programs
+    progs.lazy = False
+    keys = progs.background_keys()
+    assert keys[0][0] == "dispatch" and keys[0][4] == OFF  # adaptive's plain steps first
+    used = iter([100, 100, 60_000])
+    monkeypatch.setattr(programs_module, "map_usage", lambda: (next(used), 65_530))
+    monkeypatch.setattr(progs, "compile", lambda key: None)
+    monkeypatch.setattr(progs, "idle_only", False)
+    with caplog.at_level("WARNING", logger="jaxspec.server"):
+        progs.start_background()
+        progs._thread.join(30)
+    assert progs.background_done == progs.background_total == 2
+    assert "background compiles stopped after 2 of" in caplog.text
