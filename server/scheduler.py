@@ -598,7 +598,7 @@ class Scheduler:
         spec_reqs = [r for r in busy.values() if r.speculative]
         none = self.adaptive.empty(1)[0]
         acc = np.array([none if r.acc is None else r.acc for r in spec_reqs]).reshape((-1,) + none.shape)
-        greedy = np.array([r.params.temperature <= 0 for r in spec_reqs], bool)
+        greedy = np.array([not any_sampled([r.params]) for r in spec_reqs], bool)
         return self.adaptive.choose(n_act, acc, greedy, n_plain=len(busy) - len(spec_reqs))
 
     # ---- results -----------------------------------------------------------------------------
@@ -665,7 +665,7 @@ class Scheduler:
         if not reqs:
             return
         block = np.stack([hist[s][1:] - (np.asarray(r.hist) if r.hist is not None else 0) for s, r in reqs])
-        greedy = np.array([r.params.temperature <= 0 for _, r in reqs], bool)
+        greedy = np.array([not any_sampled([r.params]) for _, r in reqs], bool)
         acc = self.adaptive.observe_acceptance(block, greedy, item.spec.num_steps)
         for (_, r), x in zip(reqs, acc):
             r.acc = x if r.acc is None else r.acc + x

@@ -91,7 +91,7 @@ class Adaptive:
 
     def expected_tokens(self, acc: np.ndarray, greedy: np.ndarray, spec: SpecConfig | None = None) -> np.ndarray:
         """acc [R, 2, D] per-request acceptance counts, greedy [R] bool -> E[tokens per round] [R]
-        of `spec` (default: the configured shape; None: 1)."""
+        of the tree shape `spec` (default: the configured one)."""
         spec = self.spec if spec is None else spec
         start = np.stack([np.ones(self.spec.num_steps), np.full(self.spec.num_steps, 0.5)])  # none seen yet
         prior = np.stack([self.prior.get(bool(g), start) for g in greedy])  # [R, 2, D]
