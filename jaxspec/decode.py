@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.cache import KVCache
+from jaxspec.logprobs import TokenLogprobs, compute
 from jaxspec.sampling import SamplingTensors, sample
 
 RUNNING, STOPPED, LENGTH = 0, 1, 2
@@ -70,9 +71,12 @@ class DecodeState:
     seen: jax.Array  # [B, V] bool prompt + output tokens (repetition penalty)
     cache: KVCache
     base: jax.Array | None = None  # [B] server: `out` is a window holding tokens base .. num_out - 1
+    lps: TokenLogprobs | None = None  # [B, M(, K)] logprobs of `out`'s tokens (when requested)
 
 
-def init_state(cache: KVCache, prompt, prompt_lens, max_new_tokens, vocab: int, buf: int) -> DecodeState:
+def init_state(
+    cache: KVCache, prompt, prompt_lens, max_new_tokens, vocab: int, buf: int, top_logprobs: int | None = None
+) -> DecodeState:
     b, p = prompt.shape
     rows = jnp.arange(b)[:, None]
     valid = jnp.arange(p)[None, :] < prompt_lens[:, None]
@@ -86,6 +90,7 @@ def init_state(cache: KVCache, prompt, prompt_lens, max_new_tokens, vocab: int, 
         counts=jnp.zeros((b, vocab), jnp.int32),
         seen=seen,
         cache=cache,
+        lps=None if top_logprobs is None else TokenLogprobs.zeros((b, buf), top_logprobs),
     )
 
 
@@ -107,8 +112,13 @@ def record(state: DecodeState, logits, st: SamplingTensors, max_new_tokens, stop
     hit_stop = active & jnp.any(tok[:, None] == stop_ids, axis=-1)
     hit_len = active & ~hit_stop & (num_out >= max_new_tokens)
     finish = jnp.where(hit_stop, STOPPED, jnp.where(hit_len, LENGTH, state.finish))
+    lps = state.lps
+    if lps is not None:
+        new = compute(logits[:, None], tok[:, None], st.temperature, lps.k)
+        lps = lps.scatter(rows[:, None], jnp.where(active, col, out.shape[1])[:, None], new)
     return dataclasses.replace(
         state,
+        lps=lps,
         out=out,
         num_out=num_out,
         done=state.done | hit_stop | hit_len,
@@ -128,7 +138,9 @@ def decode_step(model, state: DecodeState, st, max_new_tokens, stop_ids, backend
     return record(dataclasses.replace(state, cache=cache), logits, st, max_new_tokens, stop_ids, sampled)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "buf", "backend", "sampled"), donate_argnames=("cache",))
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "buf", "backend", "sampled", "top_logprobs"), donate_argnames=("cache",)
+)
 def decode(
     graphdef,
     params,
@@ -142,13 +154,16 @@ def decode(
     buf: int,
     backend="xla",
     sampled: bool = True,
+    top_logprobs: int | None = None,
 ):
     """Samples the first token from the prefill's last hidden state, then decodes in a while_loop.
 
     cache: after prefill (lengths = prompt_lens); last_h: [B, H]; prompt: [B, P] int32;
-    max_new_tokens: [B] int32 (<= buf); stop_ids: [B, K]. Returns (out [B, buf], num_out [B], finish [B], cache)."""
+    max_new_tokens: [B] int32 (<= buf); stop_ids: [B, K]; top_logprobs (static): None, or the
+    number of top alternatives to record with each token's logprob. Returns (out [B, buf],
+    num_out [B], finish [B], cache, lps: TokenLogprobs [B, buf] or None)."""
     model = nnx.merge(graphdef, params)
-    state = init_state(cache, prompt, prompt_lens, max_new_tokens, model.cfg.vocab_size, buf)
+    state = init_state(cache, prompt, prompt_lens, max_new_tokens, model.cfg.vocab_size, buf, top_logprobs)
     state = record(state, model.logits(last_h), st, max_new_tokens, stop_ids, sampled)
 
     def cond(s):
@@ -158,4 +173,32 @@ def decode(
         return decode_step(model, s, st, max_new_tokens, stop_ids, backend, sampled)
 
     state = jax.lax.while_loop(cond, body, state)
-    return state.out, state.num_out, state.finish, state.cache
+    return state.out, state.num_out, state.finish, state.cache, state.lps
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "k", "chunk", "backend"))
+def prompt_logprobs(graphdef, params, tokens, temperature, k: int, chunk: int = 256, backend="xla") -> TokenLogprobs:
+    """The target's log-probability of every prompt token given the tokens before it.
+
+    tokens: [1, P] int32 (P a multiple of chunk; padding after the prompt is harmless, its rows are
+    ignored by the caller); temperature: [1]. Returns TokenLogprobs [P] where entry i scores token i
+    (entry 0, which no position predicts, is 0). The forward runs over a scratch cache of P columns
+    (no request's KV is touched); logits are formed `chunk` positions at a time, so memory holds
+    [chunk, V] of them, not [P, V]."""
+    model = nnx.merge(graphdef, params)
+    p = tokens.shape[1]
+    cache = KVCache.create(model.cfg, 1, p, model.embed_tokens[...].dtype)
+    h, _, _, _ = target_prefill(model, cache, tokens, 0, jnp.full((1,), p, jnp.int32), backend=backend)
+    nxt = jnp.concatenate([tokens[0, 1:], jnp.zeros((1,), tokens.dtype)])  # position i predicts token i + 1
+    hs = h[0].reshape(p // chunk, chunk, -1)
+    ts = nxt.reshape(p // chunk, chunk)
+
+    def block(x):
+        hb, tb = x
+        return compute(model.logits(hb)[None], tb[None], temperature, k)
+
+    out = jax.lax.map(block, (hs, ts))
+    flat = jax.tree_util.tree_map(lambda a: a.reshape((p,) + a.shape[3:]), out)
+    # shift right by one: entry i scores token i
+    shift = lambda a: jnp.concatenate([jnp.zeros((1,) + a.shape[1:], a.dtype), a[:-1]], 0)
+    return jax.tree_util.tree_map(shift, flat)

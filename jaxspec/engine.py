@@ -6,7 +6,10 @@
     eng.chat([{"role": "user", "content": "hi"}], {...})      # applies the chat template
 
 A result is {"text", "output_ids", "meta_info"} (jaxspec/requests.py); meta_info holds prompt_tokens,
-completion_tokens, finish_reason, e2e_latency, spec_verify_ct and spec_accept_length.
+completion_tokens, finish_reason, e2e_latency, spec_verify_ct and spec_accept_length; with
+return_logprob=True also SGLang's output_token_logprobs / output_top_logprobs (and, from
+logprob_start_len >= 0, input_token_logprobs / input_top_logprobs) as [logprob, token id, text]
+entries (jaxspec/logprobs.py says which distribution they are from).
 
 Shapes are bucketed (batch, prompt chunk, cache length, output buffer -> powers of two) so that
 repeated calls reuse compiled programs.
@@ -32,22 +35,28 @@ from jaxspec.args import EngineArgs
 from jaxspec.attention import resolve_backend
 from jaxspec.cache import KVCache
 from jaxspec.config import SpecConfig
-from jaxspec.decode import decode, prefill_chunk
+from jaxspec.decode import decode, prefill_chunk, prompt_logprobs
 from jaxspec.drafts import bundled_draft_for
 from jaxspec.errors import JaxspecError
 from jaxspec.loader import LoadedModel, jnp_dtype, load
+from jaxspec.logprobs import MAX_TOP_LOGPROBS, top_k_for
 from jaxspec.models.llama import fuse_projections
 from jaxspec.models.mtp import mtp_layout
 from jaxspec.requests import (
+    TokenLogprobRows,
     bucket,
     check_prompt,
     cut_at_stop_string,
     draft_prompt,
     finish_reason,
+    input_logprobs,
+    logprob_rows,
     make_result,
+    output_logprobs,
     stop_token_ids,
+    with_token_text,
 )
-from jaxspec.sampling import GREEDY_EPS, SamplingParams, SamplingTensors, any_sampled
+from jaxspec.sampling import GREEDY_EPS, SamplingParams, SamplingTensors, any_sampled, nth_sample, split_n
 from jaxspec.sharding import check_heads, kv_sharding, make_mesh, replicate, shard_params
 from jaxspec.speculative.adaptive import Adaptive, shape_label
 from jaxspec.speculative.loop import spec_block, spec_prefill_chunk, spec_start
@@ -160,9 +169,17 @@ class Engine:
         prompt: str | list[str] | None = None,
         sampling_params: SamplingArg | list[SamplingArg] = None,
         input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        return_text_in_logprobs: bool = False,
     ) -> Result | list[Result]:
         """prompt: str | list[str]; or input_ids: list[int] | list[list[int]]. Returns dict | list[dict]
-        (one per prompt; see the module docstring); sampling_params: one for all prompts, or one each."""
+        (one per prompt; see the module docstring); sampling_params: one for all prompts, or one each;
+        its `n` draws that many samples of a prompt (a list of n results per prompt, prompt by prompt).
+        return_logprob: report each output token's logprob, with its top_logprobs_num (<= 20) most
+        likely alternatives, and from logprob_start_len >= 0 on those of the prompt tokens too
+        (SGLang's arguments); return_text_in_logprobs: each entry's token text."""
         if (prompt is None) == (input_ids is None):
             raise JaxspecError("pass exactly one of prompt or input_ids")
         single = isinstance(prompt, str) or (
@@ -176,18 +193,26 @@ class Engine:
         else:
             given: list = list(input_ids or [])
             ids = [given] if single else [list(x) for x in given]
-        results = self._generate_ids(ids, sampling_params)
-        return results[0] if single else results
+        lp = _LogprobArgs.check(return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs)
+        results = self._generate_ids(ids, sampling_params, lp)
+        return results[0] if single and len(results) == 1 else results
 
     def chat(
-        self, messages: Conversation | list[Conversation], sampling_params: SamplingArg | list[SamplingArg] = None
+        self,
+        messages: Conversation | list[Conversation],
+        sampling_params: SamplingArg | list[SamplingArg] = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        return_text_in_logprobs: bool = False,
     ) -> Result | list[Result]:
-        """messages: one conversation (list of {"role", "content"}) or a list of conversations."""
+        """messages: one conversation (list of {"role", "content"}) or a list of conversations;
+        the logprob arguments as in generate()."""
         single = bool(messages) and isinstance(messages[0], dict)
         convs: list = [messages] if single else list(messages)
         ids = [self._encode(self.apply_chat_template(c), add_special_tokens=False) for c in convs]
-        results = self._generate_ids(ids, sampling_params)
-        return results[0] if single else results
+        lp = _LogprobArgs.check(return_logprob, top_logprobs_num, -1, return_text_in_logprobs)
+        results = self._generate_ids(ids, sampling_params, lp)
+        return results[0] if single and len(results) == 1 else results
 
     def apply_chat_template(self, messages: Conversation) -> str:
         tok = self._need_tokenizer()
@@ -223,13 +248,16 @@ class Engine:
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._need_tokenizer()(text, add_special_tokens=add_special_tokens).input_ids)
 
-    def _generate_ids(self, ids: list[list[int]], sampling_params) -> list[dict]:
+    def _generate_ids(self, ids: list[list[int]], sampling_params, lp: _LogprobArgs | None = None) -> list[dict]:
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(ids):
                 raise JaxspecError(f"got {len(sampling_params)} sampling_params for {len(ids)} prompts")
-            params = [SamplingParams.from_dict(p) for p in sampling_params]
+            given = [split_n(p) for p in sampling_params]
         else:
-            params = [SamplingParams.from_dict(sampling_params)] * len(ids)
+            given = [split_n(sampling_params)] * len(ids)
+        # n samples of a prompt: n requests, one after another in the results
+        ids = [x for x, (_, n) in zip(ids, given) for _ in range(n)]
+        params = [nth_sample(SamplingParams.from_dict(d), j) for d, n in given for j in range(n)]
         spec_on = self.spec.enabled
         if spec_on and any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in params):
             if not self._spec_auto:
@@ -243,7 +271,7 @@ class Engine:
         out = []
         n = self.max_running_requests
         for s in range(0, len(ids), n):
-            out += self._run_batch(ids[s : s + n], params[s : s + n], spec_on)
+            out += self._run_batch(ids[s : s + n], params[s : s + n], spec_on, lp)
         return out
 
     def feed_ngram_corpus(self, sequences: list[list[int]]) -> None:
@@ -253,8 +281,11 @@ class Engine:
         self._corpus.add(sequences)
         self.dparams = {**(self.dparams or {}), "corpus": self._corpus.device()}
 
-    def _run_batch(self, ids: list[list[int]], params: list[SamplingParams], spec_on: bool) -> list[dict]:
+    def _run_batch(
+        self, ids: list[list[int]], params: list[SamplingParams], spec_on: bool, lp: _LogprobArgs | None = None
+    ) -> list[dict]:
         t0 = time.perf_counter()
+        top = None if lp is None else (0 if lp.top_logprobs_num == 0 else top_k_for(self.cfg.vocab_size))
         n = len(ids)
         b = min(bucket(n), max(self.max_running_requests, n))
         lens = [len(x) for x in ids]
@@ -286,8 +317,8 @@ class Engine:
         cache = KVCache.create(self.cfg, b, s_len, self.dtype, self.kv_sharding)
         last_h = replicate(jnp.zeros((b, self.cfg.hidden_size), self.dtype), self.mesh)
         if spec_on:
-            (out, num_out, finish, verify_ct, hist), used = self._spec_batch(
-                cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks, sampled, n
+            (out, num_out, finish, verify_ct, hist, lps), used = self._spec_batch(
+                cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks, sampled, n, top
             )
         else:
             for c in range(n_chunks):
@@ -302,7 +333,7 @@ class Engine:
                     last_h,
                     backend=self.backend,
                 )
-            out, num_out, finish, _ = decode(
+            out, num_out, finish, _, lps = decode(
                 self.graphdef,
                 self.params,
                 cache,
@@ -315,8 +346,9 @@ class Engine:
                 buf=buf,
                 backend=self.backend,
                 sampled=sampled,
+                top_logprobs=top,
             )
-            out, num_out, finish = jax.device_get((out, num_out, finish))
+            out, num_out, finish, lps = jax.device_get((out, num_out, finish, lps))
             verify_ct, hist, used = num_out, None, None
         latency = time.perf_counter() - t0
         if spec_on:  # finished requests feed the shared n-gram text
@@ -331,15 +363,45 @@ class Engine:
                 int(verify_ct[i]),
                 None if hist is None else hist[i],
                 None if used is None else used[i],
+                None if lp is None else logprob_rows(lps, i, 0, int(num_out[i]), lp.top_logprobs_num),
+                None if lp is None or lp.logprob_start_len < 0 else self._prompt_logprobs(ids[i], params[i], lp),
+                lp,
             )
             for i in range(n)
         ]
 
+    def prompt_logprob_rows(self, ids: list[int], temperature: float, k: int) -> TokenLogprobRows:
+        """Each prompt token's logprob given the tokens before it, with its k (<= 20) most likely
+        alternatives: [(logprob, [(token id, logprob)])] per token (entry 0 is (0.0, []): nothing
+        predicts the first token). One forward over the prompt alone, through its own compiled
+        program per padded length (no request's cache is touched; safe beside the server's calls)."""
+        chunk = 256 if len(ids) > 256 else bucket(len(ids), 16)
+        padded = np.zeros((1, -(-len(ids) // chunk) * chunk), np.int32)
+        padded[0, : len(ids)] = ids
+        lps = prompt_logprobs(
+            self.graphdef,
+            self.params,
+            jnp.asarray(padded),
+            jnp.asarray([temperature], jnp.float32),
+            k=0 if k == 0 else top_k_for(self.cfg.vocab_size),
+            chunk=chunk,
+            backend=self.backend,
+        )
+        lps = jax.tree_util.tree_map(lambda a: np.asarray(a)[None], jax.device_get(lps))
+        rows = logprob_rows(lps, 0, 0, len(ids), k)
+        return [(0.0, [])] + rows[1:]
+
+    def _prompt_logprobs(self, ids: list[int], p: SamplingParams, lp: _LogprobArgs) -> dict[str, Any]:
+        """input_token_logprobs / input_top_logprobs of one prompt."""
+        rows = self.prompt_logprob_rows(ids, p.temperature, lp.top_logprobs_num)
+        return input_logprobs(ids, rows, min(lp.logprob_start_len, len(ids)))
+
     def _spec_batch(
-        self, cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks, sampled, n
+        self, cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks, sampled, n, top
     ):
-        """Prefill, then rounds (in blocks chosen by adaptive speculation when it is on). Returns
-        ((out, num_out, finish, verify_ct, hist) on the host, rounds per candidate [n, 2] or None)."""
+        """Prefill, then rounds (in blocks chosen by adaptive speculation when it is on). top: None,
+        or the top-logprob count to record. Returns ((out, num_out, finish, verify_ct, hist, lps) on
+        the host, rounds per candidate [n, len(candidates)] or None)."""
         prop, b = self.proposer, prompt.shape[0]
         dcache = replicate(prop.make_cache(b, cache.max_len, self.dtype), self.mesh)
         dprompt = jnp.asarray(draft_prompt(prompt, prop.shift))
@@ -380,6 +442,7 @@ class Engine:
             buf=buf,
             backend=self.backend,
             sampled=sampled,
+            top_logprobs=top,
         )
 
         def block(spec, state, rounds):
@@ -406,11 +469,22 @@ class Engine:
             rounds = self.adaptive.rounds
             greedy = np.asarray(st.temperature[:n]) <= GREEDY_EPS
             state, used = self.adaptive.run(lambda spec, s: block(spec, s, rounds), state, greedy, sig)
-        res = jax.device_get((state.out, state.num_out, state.finish, state.verify_ct, state.hist))
+        res = jax.device_get((state.out, state.num_out, state.finish, state.verify_ct, state.hist, state.lps))
         return res, used
 
     def _result(
-        self, out_ids, finish, prompt_len, p: SamplingParams, latency, verify_ct, hist, used=None
+        self,
+        out_ids,
+        finish,
+        prompt_len,
+        p: SamplingParams,
+        latency,
+        verify_ct,
+        hist,
+        used=None,
+        lps=None,
+        prompt_lps=None,
+        lp: _LogprobArgs | None = None,
     ) -> dict[str, Any]:
         reason = finish_reason(finish, out_ids)
         if reason is None:  # pragma: no cover - the loop only exits when every slot finished
@@ -425,6 +499,11 @@ class Engine:
         extra = {}
         if used is not None and self.adaptive is not None:  # rounds run with each candidate shape
             extra["spec_shapes"] = {shape_label(c): int(k) for c, k in zip(self.adaptive.candidates, used)}
+        if lp is not None:
+            extra.update(prompt_lps or {})
+            extra.update(output_logprobs(out_ids, lps))  # a stop-string cut leaves fewer out_ids
+            if lp.return_text_in_logprobs:
+                with_token_text(extra, lambda t: self._need_tokenizer().decode([t]))
         return make_result(
             uuid.uuid4().hex,
             text,
@@ -436,6 +515,23 @@ class Engine:
             None if hist is None else hist[1:],
             **extra,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _LogprobArgs:
+    """What a generate() call asked for besides tokens (SGLang's logprob arguments)."""
+
+    top_logprobs_num: int
+    logprob_start_len: int
+    return_text_in_logprobs: bool
+
+    @classmethod
+    def check(cls, ret: bool, top: int, start: int, text: bool) -> _LogprobArgs | None:
+        if not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise JaxspecError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}")
+        if not isinstance(start, int) or start < -1:
+            raise JaxspecError(f"logprob_start_len must be -1 (output tokens only) or >= 0, got {start!r}")
+        return cls(top, start, text) if ret else None  # as SGLang: the others mean nothing without it
 
 
 _ENGINES: dict = {}

@@ -128,3 +128,46 @@ def make_result(
     if hist is not None:
         meta["spec_accept_histogram"] = [int(x) for x in hist]
     return {"text": text, "output_ids": list(out_ids), "meta_info": meta}
+
+
+# (logprob, [(token id, logprob)] of the top alternatives) per token
+TokenLogprobRows = list[tuple[float, list[tuple[int, float]]]]
+
+
+def logprob_rows(lps, row: int, start: int, count: int, k: int) -> TokenLogprobRows:
+    """Tokens [start, start + count) of one row of fetched TokenLogprobs (numpy [B, T(, K)]) as
+    (logprob, [(token id, logprob)] of the top k alternatives)."""
+    tok, ids, top = lps.tok[row], lps.top_ids[row], lps.top_lp[row]
+    return [
+        (float(tok[i]), [(int(a), float(b)) for a, b in zip(ids[i, :k], top[i, :k])])
+        for i in range(start, start + count)
+    ]
+
+
+def output_logprobs(ids: Sequence[int], rows: TokenLogprobRows) -> dict[str, Any]:
+    """SGLang's meta_info fields for the generated tokens: output_token_logprobs [[logprob, id,
+    text]] and output_top_logprobs [[[logprob, id, text], ...]] (text None; see with_token_text)."""
+    return {
+        "output_token_logprobs": [[lp, int(t), None] for t, (lp, _) in zip(ids, rows)],
+        "output_top_logprobs": [[[b, a, None] for a, b in top] for _, top in rows],
+    }
+
+
+def input_logprobs(ids: Sequence[int], rows: TokenLogprobRows, start: int) -> dict[str, Any]:
+    """SGLang's meta_info fields for prompt tokens [start, len(ids)): input_token_logprobs and
+    input_top_logprobs; rows[i] scores ids[i] (the first prompt token has no logprob: None)."""
+    out = [[None if i == 0 else rows[i][0], int(ids[i]), None] for i in range(start, len(ids))]
+    top = [None if i == 0 else [[b, a, None] for a, b in rows[i][1]] for i in range(start, len(ids))]
+    return {"input_token_logprobs": out, "input_top_logprobs": top}
+
+
+def with_token_text(meta: dict[str, Any], decode_one: Callable[[int], str]) -> None:
+    """Fills the text slot of every [logprob, id, text] entry of meta's logprob fields (SGLang's
+    return_text_in_logprobs)."""
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        for e in meta.get(key) or []:
+            e[2] = decode_one(e[1])
+    for key in ("input_top_logprobs", "output_top_logprobs"):
+        for row in meta.get(key) or []:
+            for e in row or []:
+                e[2] = decode_one(e[1])

@@ -102,7 +102,7 @@ class SamplingParams:
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                     raise JaxspecError(f"invalid sampling parameter: n must be a positive integer, got {v!r}")
                 if v not in (None, 1):
-                    raise JaxspecError("n > 1 is not supported yet")
+                    raise JaxspecError("n > 1 is handled by Engine.generate and the server, not by SamplingParams")
                 continue
             if k not in fields:
                 raise JaxspecError(f"unknown sampling parameter {k!r}; known: {', '.join(sorted(fields))}")
@@ -119,6 +119,30 @@ class SamplingParams:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def split_n(d: Any) -> tuple[Any, int]:
+    """(sampling_params without `n`, n): how many samples to draw per prompt (SGLang's `n`)."""
+    if not isinstance(d, dict) or "n" not in d:
+        return d, 1
+    n = d["n"]
+    if n is None:
+        n = 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise JaxspecError(f"invalid sampling parameter: n must be a positive integer, got {n!r}")
+    return {k: v for k, v in d.items() if k != "n"}, n
+
+
+def nth_sample(p: SamplingParams, j: int) -> SamplingParams:
+    """The parameters of sample j of n: a seeded request's samples get seeds seed, seed + 1, ...
+    (wrapping within the 64-bit range), so each is reproducible and they differ; unseeded ones
+    draw their own seeds."""
+    if j == 0 or p.seed is None:
+        return p
+    seed = p.seed + j
+    if seed > 2**64 - 1:
+        seed -= 2**64 + 2**63  # wraps to the bottom of the accepted range
+    return dataclasses.replace(p, seed=seed)
 
 
 @functools.cache

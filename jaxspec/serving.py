@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec.cache import KVCache
 from jaxspec.decode import LENGTH, RUNNING, STOPPED, DecodeState, decode_step, target_prefill
+from jaxspec.logprobs import TokenLogprobs, compute
 from jaxspec.sampling import SamplingTensors, sample
 from jaxspec.speculative.loop import SpecState, plain_steps, prefill_step, spec_round
 from jaxspec.speculative.proposers.base import DraftState
@@ -80,10 +81,12 @@ class SlotBatch:
         dtype,
         num_steps: int = 0,
         kv_sharding=None,
+        top_logprobs: int | None = None,
     ) -> SlotBatch:
         """Empty slots. max_len: KV columns per slot (context + the round's scratch region);
         window: tokens one dispatch can emit per slot; num_stop: stop-token columns;
-        kv_sharding: where the target's KV buffers live (jaxspec/sharding.py)."""
+        kv_sharding: where the target's KV buffers live (jaxspec/sharding.py); top_logprobs: None,
+        or every emitted token's logprob is computed, with this many top alternatives."""
         b, v = slots, cfg.vocab_size
         cache = KVCache.create(cfg, b, max_len, dtype, kv_sharding)
         zi = lambda *s: jnp.zeros(s, jnp.int32)
@@ -95,6 +98,7 @@ class SlotBatch:
             last=zi(b),
             cache=cache,
             base=zi(b),
+            lps=None if top_logprobs is None else TokenLogprobs.zeros((b, window), top_logprobs),
         )
         if prop is None:
             core = DecodeState(counts=zi(b, v), seen=jnp.zeros((b, v), bool), **common)
@@ -199,16 +203,19 @@ def admit_finish(
 ):
     """After the last prefill chunk: samples each new request's first token, starts its draft, and
     sets its slot's parameters. st: [n]; max_new: [n] (>= 1); stop_ids: [n, K]; plain: [n] bool;
-    seen: [n, V] bool prompt tokens. Returns (batch, first tokens [n])."""
+    seen: [n, V] bool prompt tokens. Returns (batch, (first tokens [n], their TokenLogprobs [n, 1]
+    or None when the batch records no logprobs))."""
     tgt = nnx.merge(graphdef, params)
     n = rows.shape[0]
     counts = jnp.zeros(seen.shape, jnp.int32)
     keys = jax.vmap(jax.random.fold_in)(st.keys, jnp.zeros((n,), jnp.int32))
-    first = sample(tgt.logits(batch.last_h[rows]).astype(jnp.float32), st, counts, seen, keys)
+    logits = tgt.logits(batch.last_h[rows]).astype(jnp.float32)
+    first = sample(logits, st, counts, seen, keys)
+    core = batch.core
+    first_lps = None if core.lps is None else compute(logits[:, None], first[:, None], st.temperature, core.lps.k)
     is_stop = jnp.any(first[:, None] == stop_ids, -1)
     done = is_stop | (max_new <= 1)
     one = jax.nn.one_hot(first, seen.shape[1], dtype=jnp.int32)
-    core = batch.core
     fields = dict(
         num_out=jnp.ones((n,), jnp.int32),
         base=jnp.ones((n,), jnp.int32),
@@ -234,12 +241,12 @@ def admit_finish(
         stop_ids=batch.stop_ids.at[rows].set(stop_ids),
         plain=batch.plain.at[rows].set(plain),
     )
-    return batch.placed(jax.lax.with_sharding_constraint), first
+    return batch.placed(jax.lax.with_sharding_constraint), (first, first_lps)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "prop", "spec", "k", "n_act", "span", "backend", "sampled"),
+    static_argnames=("graphdef", "prop", "spec", "k", "n_act", "span", "backend", "sampled", "logprobs"),
     donate_argnames=("batch",),
 )
 def dispatch(
@@ -255,6 +262,7 @@ def dispatch(
     span: int,
     backend="xla",
     sampled: bool = True,
+    logprobs: bool = False,
 ):
     """k rounds (plain: decode steps) for slots [0, n_act). With a proposer and spec None: W
     plain steps instead (W = the window, the tokens k rounds can emit), then one draft extension.
@@ -262,16 +270,22 @@ def dispatch(
     loop of known trip count: no predicate goes back to the host between rounds, so the whole
     dispatch can stay one CUDA graph; finished slots are padding); on a CPU the loop stops early
     once every slot is done, which saves the rounds' compute. sampled (static): some slot has
-    temperature > 0 (False: a greedy-only program, without the sampler).
+    temperature > 0 (False: a greedy-only program, without the sampler). logprobs (static): compute
+    every emitted token's logprob and top alternatives into the window's `lps` (False: they are left
+    stale; a top-k over the vocabulary per token is a visible share of a CPU round).
 
     kill: [B] bool, slots to stop first (cancelled requests). Returns (batch, outs) with outs =
     (window tokens [n_act, W], new-token counts [n_act], done [n_act], finish [n_act],
-    verify_ct [n_act], hist [n_act, D + 2]); plain mode reports verify_ct = num_out and no hist."""
+    verify_ct [n_act], hist [n_act, D + 2], window logprobs TokenLogprobs [n_act, W] or None); plain
+    mode reports verify_ct = num_out and no hist."""
     tgt = nnx.merge(graphdef, params)
     rows = jnp.arange(n_act)
     sub = take_rows(batch, rows, span, prefix=n_act)
     core = sub.core
     core = dataclasses.replace(core, done=core.done | kill[:n_act], out=jnp.zeros_like(core.out), base=core.num_out)
+    lps = core.lps
+    if not logprobs:
+        core = dataclasses.replace(core, lps=None)
     cpu = jax.default_backend() == "cpu"
     trips = k
     if prop is None:
@@ -306,6 +320,8 @@ def dispatch(
         )
     else:
         core = jax.lax.fori_loop(0, trips, lambda _, c: step(c), core)
+    if not logprobs:
+        core = dataclasses.replace(core, lps=lps)
     batch = put_rows(batch, rows, dataclasses.replace(sub, core=core))
     if prop is None:
         extra = (core.num_out, jnp.zeros((n_act, 1), jnp.int32))
@@ -316,4 +332,6 @@ def dispatch(
         core.num_out - core.base,
         core.done,
         core.finish,
-    ) + extra
+        *extra,
+        core.lps,
+    )

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -25,7 +27,10 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxspec.errors import JaxspecError
+from jaxspec.requests import input_logprobs, output_logprobs, with_token_text
+from jaxspec.sampling import nth_sample
 from server import protocol
+from server.logprobs import chat_logprobs, completion_logprobs, merge_completion, rows_from_meta
 from server.scheduler import QueueFull, Scheduler
 from server.scheduler import Request as SchedRequest
 
@@ -166,7 +171,7 @@ def create_app(
         with sched.tok_lock:
             return eng._encode(text, add_special_tokens=add_special_tokens)
 
-    def submit(ids, params, speculative: bool) -> tuple[SchedRequest, asyncio.Queue]:
+    def submit(ids, params, speculative: bool, top_logprobs: int | None = None) -> tuple[SchedRequest, asyncio.Queue]:
         if sched.error:
             raise HTTPError(503, f"the scheduler stopped after an internal error: {sched.error}", "ServiceUnavailable")
         loop = asyncio.get_running_loop()
@@ -175,6 +180,7 @@ def create_app(
             ids=list(ids),
             params=params,
             speculative=speculative,
+            top_logprobs=top_logprobs,
             emit=lambda e: loop.call_soon_threadsafe(q.put_nowait, e),
         )
         try:
@@ -182,6 +188,18 @@ def create_app(
         except QueueFull as e:
             raise HTTPError(503, f"server busy: {e}; retry later", "ServiceUnavailable", {"Retry-After": "1"}) from None
         return req, q
+
+    def submit_all(items: list[tuple]) -> list[tuple[SchedRequest, asyncio.Queue]]:
+        """submit(*item) for every item, or none of them: a refusal cancels those already queued."""
+        subs: list[tuple[SchedRequest, asyncio.Queue]] = []
+        try:
+            for item in items:
+                subs.append(submit(*item))
+        except BaseException:
+            for req, _ in subs:
+                sched.cancel(req)
+            raise
+        return subs
 
     async def events(request: Request, req: SchedRequest, q: asyncio.Queue):
         """Scheduler events of one request; cancels it if the client goes away."""
@@ -207,13 +225,64 @@ def create_app(
             if not req.finished:
                 sched.cancel(req)
 
-    async def collect(request, req, q) -> dict:
-        async for e in events(request, req, q):
+    async def merged(request: Request, subs: list[tuple[SchedRequest, asyncio.Queue]]):
+        """(index, event) of several requests as their events come (index: place in subs)."""
+        if len(subs) == 1:
+            async for e in events(request, *subs[0]):
+                yield 0, e
+            return
+        out: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, req, q):
+            try:
+                async for e in events(request, req, q):
+                    await out.put((i, e))
+            finally:
+                await out.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, r, q)) for i, (r, q) in enumerate(subs)]
+        try:
+            left = len(tasks)
+            while left:
+                i, e = await out.get()
+                if e is None:
+                    left -= 1
+                else:
+                    yield i, e
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def collect_all(request, subs) -> list[dict]:
+        """The results of subs (in order); 500 if one failed, 499 if the client went away."""
+        results: dict[int, dict] = {}
+        async for i, e in merged(request, subs):
             if e["type"] == "error":
                 raise HTTPError(500, e["message"], "InternalServerError")
             if e["type"] == "done":
-                return e["result"]
-        raise HTTPError(499, "client disconnected", "ClientClosedRequest")
+                results[i] = e["result"]
+        if len(results) < len(subs):
+            raise HTTPError(499, "client disconnected", "ClientClosedRequest")
+        return [results[i] for i in range(len(subs))]
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def text_of(t: int) -> str:
+        """One token's text (logprob entries)."""
+        if eng.tokenizer is None:
+            return f"<token {t}>"
+        with sched.tok_lock:
+            return eng.tokenizer.decode([t])
+
+    def decode_ids(ids: list[int]) -> str:
+        if eng.tokenizer is None:
+            raise JaxspecError("echo needs a tokenizer; this server has none")
+        with sched.tok_lock:
+            return eng.tokenizer.decode(ids)
+
+    async def prompt_rows(ids: list[int], temperature: float, k: int):
+        """Logprobs of a prompt's tokens (echo, logprob_start_len), off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, eng.prompt_logprob_rows, list(ids), temperature, k)
 
     def spec_metrics(res: dict) -> dict:
         m = res["meta_info"]
@@ -228,14 +297,6 @@ def create_app(
         )
         return {k: m[k] for k in keys if k in m}
 
-    def usage(res: dict) -> dict:
-        m = res["meta_info"]
-        return {
-            "prompt_tokens": m["prompt_tokens"],
-            "completion_tokens": m["completion_tokens"],
-            "total_tokens": m["prompt_tokens"] + m["completion_tokens"],
-        }
-
     def finish_fields(res: dict) -> dict:
         r = res["meta_info"]["finish_reason"]
         return {"finish_reason": r["type"], "matched_stop": r.get("matched")}
@@ -243,39 +304,86 @@ def create_app(
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
-    async def openai_run(request: Request, body, ids, chat: bool):
+    async def openai_run(request: Request, body, prompts: list[list[int]], chat: bool, texts=None):
+        """One chat or completion request: a choice per prompt and sample (index = prompt * n + j).
+        texts: the prompts as the client sent them (echo), None where it sent token ids."""
         params = body.sampling(default_max=sched.context_length)
-        req, q = submit(ids, params, body.speculative)
-        rid = ("chatcmpl-" if chat else "cmpl-") + req.rid
+        top = body.top_logprobs_wanted()
+        n = body.n
+        echo = not chat and body.echo
+        subs = submit_all([(ids, nth_sample(params, j), body.speculative, top) for ids in prompts for j in range(n)])
+        rid = ("chatcmpl-" if chat else "cmpl-") + subs[0][0].rid
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
-        if not body.stream:
-            res = await collect(request, req, q)
-            choice = {"index": 0, **finish_fields(res), "logprobs": None}
+        # echo: each prompt's text (and its tokens' logprobs) comes before its choices' output
+        prefix = [""] * len(prompts)
+        prefix_lps: list[dict | None] = [None] * len(prompts)
+        if echo:
+            try:
+                for p, ids in enumerate(prompts):
+                    given = texts[p] if texts else None
+                    prefix[p] = given if given is not None else decode_ids(ids)
+                    if top is not None:
+                        rows = await prompt_rows(ids, params.temperature, top)
+                        prefix_lps[p] = completion_logprobs(ids, rows, text_of, 0, first_has_none=True)
+            except BaseException:
+                for req, _ in subs:
+                    sched.cancel(req)
+                raise
+
+        def logprobs_of(i: int, ids, rows, offset: int) -> dict | None:
+            if top is None:
+                return None
             if chat:
-                choice["message"] = {"role": "assistant", "content": res["text"]}
-            else:
-                choice["text"] = res["text"]
+                return chat_logprobs(ids, rows, text_of)
+            return completion_logprobs(ids, rows, text_of, offset)
+
+        def usage_of(results: list[dict]) -> dict:
+            prompt_tokens = sum(len(x) for x in prompts)
+            completion = sum(r["meta_info"]["completion_tokens"] for r in results)
             return {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+            }
+
+        if not body.stream:
+            results = await collect_all(request, subs)
+            choices = []
+            for i, res in enumerate(results):
+                p = i // n
+                choice = {"index": i, **finish_fields(res)}
+                rows = rows_from_meta(res["meta_info"])
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": res["text"]}
+                    choice["logprobs"] = logprobs_of(i, res["output_ids"], rows, 0)
+                else:
+                    choice["text"] = prefix[p] + (res["text"] or "")
+                    lps = logprobs_of(i, res["output_ids"], rows, len(prefix[p]))
+                    choice["logprobs"] = None if lps is None else merge_completion(prefix_lps[p], lps)
+                choices.append(choice)
+            out = {
                 "id": rid,
                 "object": obj,
                 "created": created,
                 "model": served_model_name,
-                "choices": [choice],
-                "usage": usage(res),
-                "spec_metrics": spec_metrics(res),
+                "choices": choices,
+                "usage": usage_of(results),
             }
+            metrics = [spec_metrics(r) for r in results]
+            out["spec_metrics"] = metrics[0] if len(metrics) == 1 else metrics
+            return out
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        def chunk(piece: str | None, fin: dict | None, first: bool = False):
+        def chunk(i: int, piece: str | None, fin: dict | None, lps=None, first: bool = False):
             if chat:
                 delta = (
                     {"role": "assistant", "content": piece or ""} if first else ({"content": piece} if piece else {})
                 )
-                c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+                c = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": None}
             else:
-                c = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": None}
+                c = {"index": i, "text": piece or "", "logprobs": lps, "finish_reason": None}
             if fin is not None:
                 c.update(fin)
             return {
@@ -287,30 +395,40 @@ def create_app(
             }
 
         async def gen():
-            if chat:
-                yield sse(chunk("", None, first=True))
-            async for e in events(request, req, q):
-                if e["type"] == "delta" and e["text"]:
-                    yield sse(chunk(e["text"], None))
+            offset = [len(prefix[i // n]) for i in range(len(subs))]  # completions: text_offset so far
+            for i in range(len(subs)):
+                if chat:
+                    yield sse(chunk(i, "", None, first=True))
+                elif echo:
+                    yield sse(chunk(i, prefix[i // n], None, prefix_lps[i // n]))
+            results: dict[int, dict] = {}
+            async for i, e in merged(request, subs):
+                if e["type"] == "delta" and (e["text"] or e.get("logprobs")):
+                    lps = None
+                    if top is not None:
+                        lps = logprobs_of(i, e["ids"], e["logprobs"], offset[i])
+                        if not chat:
+                            offset[i] = sum(map(len, lps["tokens"]), offset[i])
+                    yield sse(chunk(i, e["text"], None, lps))
                 elif e["type"] == "error":
                     yield sse(error_body(500, e["message"], "InternalServerError"))
                     break
                 elif e["type"] == "done":
-                    res = e["result"]
-                    last = chunk(None, finish_fields(res))
+                    res = results[i] = e["result"]
+                    last = chunk(i, None, finish_fields(res))
                     last["spec_metrics"] = spec_metrics(res)
                     yield sse(last)
-                    if include_usage:
-                        yield sse(
-                            {
-                                "id": rid,
-                                "object": obj + ".chunk" if chat else obj,
-                                "created": created,
-                                "model": served_model_name,
-                                "choices": [],
-                                "usage": usage(res),
-                            }
-                        )
+            if include_usage and len(results) == len(subs):
+                yield sse(
+                    {
+                        "id": rid,
+                        "object": obj + ".chunk" if chat else obj,
+                        "created": created,
+                        "model": served_model_name,
+                        "choices": [],
+                        "usage": usage_of([results[i] for i in range(len(subs))]),
+                    }
+                )
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -362,44 +480,70 @@ def create_app(
                 raise
             except Exception as e:
                 raise JaxspecError(f"messages: the model's chat template rejected this conversation: {e}") from None
-        return await openai_run(request, body, encode(text, add_special_tokens=False), chat=True)
+        return await openai_run(request, body, [encode(text, add_special_tokens=False)], chat=True)
 
     @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"))
     async def completions(request: Request):
         body = await parse(request, protocol.CompletionRequest)
         check_model(body.model)
         body.sampling(default_max=sched.context_length)
-        p = body.prompt_one()
-        ids = encode(p) if isinstance(p, str) else p
-        return await openai_run(request, body, ids, chat=False)
+        prompts = body.prompts()
+        ids = [encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        return await openai_run(request, body, ids, chat=False, texts=texts)
 
     @app.post("/generate", openapi_extra=_body("GenerateRequest"))
     async def generate(request: Request):
         body = await parse(request, protocol.GenerateRequest)
         params = body.sampling()
         ids = encode(body.text) if body.text is not None else body.input_ids
-        req, q = submit(ids, params, body.speculative)
+        top = body.top_logprobs_num if body.return_logprob else None
+        n = body.n
+        subs = submit_all([(ids, nth_sample(params, j), body.speculative, top) for j in range(n)])
+        prompt_meta: dict = {}
+        if body.return_logprob and body.logprob_start_len >= 0:
+            try:
+                rows = await prompt_rows(ids, params.temperature, body.top_logprobs_num)
+            except BaseException:
+                for req, _ in subs:
+                    sched.cancel(req)
+                raise
+            prompt_meta = input_logprobs(ids, rows, min(body.logprob_start_len, len(ids)))
+
+        def finished(res: dict, i: int) -> dict:
+            meta = res["meta_info"]
+            meta.update(copy.deepcopy(prompt_meta))
+            if body.return_text_in_logprobs:
+                with_token_text(meta, text_of)
+            if n > 1:
+                res["index"] = i
+            return res
+
         if not body.stream:
-            return await collect(request, req, q)
+            results = [finished(r, i) for i, r in enumerate(await collect_all(request, subs))]
+            return results[0] if n == 1 else results
 
         async def gen():
-            text, out_ids = "", []
-            async for e in events(request, req, q):
+            text, out_ids, rows = [""] * n, [[] for _ in range(n)], [[] for _ in range(n)]
+            async for i, e in merged(request, subs):
                 if e["type"] == "delta":
-                    text += e["text"]
-                    out_ids += e["ids"]
-                    yield sse(
-                        {
-                            "text": text,
-                            "output_ids": list(out_ids),
-                            "meta_info": {"id": req.rid, "completion_tokens": len(out_ids), "finish_reason": None},
-                        }
-                    )
+                    text[i] += e["text"]
+                    out_ids[i] += e["ids"]
+                    meta = {"id": subs[i][0].rid, "completion_tokens": len(out_ids[i]), "finish_reason": None}
+                    if top is not None:
+                        rows[i] += e["logprobs"]
+                        meta.update(output_logprobs(out_ids[i], rows[i]))
+                        if body.return_text_in_logprobs:
+                            with_token_text(meta, text_of)
+                    piece = {"text": text[i], "output_ids": list(out_ids[i]), "meta_info": meta}
+                    if n > 1:
+                        piece["index"] = i
+                    yield sse(piece)
                 elif e["type"] == "error":
                     yield sse(error_body(500, e["message"], "InternalServerError"))
                     break
                 elif e["type"] == "done":
-                    yield sse(e["result"])
+                    yield sse(finished(e["result"], i))
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -4,19 +4,22 @@ The scheduler runs three programs (jaxspec/serving.py), each specialised on a fe
 
   ("chunk", n, C, span)     admit_chunk: one prefill chunk of C tokens for n new requests
   ("finish", n)             admit_finish: their first tokens (its draft extension reads every column)
-  ("dispatch", n_act, span, sampled, shape)
+  ("dispatch", n_act, span, sampled, shape, logprobs)
                             dispatch: k rounds for slots [0, n_act); sampled=False is a
                             greedy-only program (no sampler), True serves any mix; shape: the
                             tree shape's label (speculative/adaptive.py shape_label; "off" is
                             plain decoding), the configured one or another candidate of
-                            adaptive speculation (a shallower tree, or plain steps)
+                            adaptive speculation (a shallower tree, or plain steps);
+                            logprobs=True also computes the emitted tokens' logprobs (for
+                            requests that ask; it serves the others too, a little slower)
 
 `span` is how many KV columns attention reads. A program for a larger n_act, C or span than a call
 needs is still correct (extra slots are stopped, extra columns are masked, a chunk is zero-padded),
 only slower, and a sampled=True dispatch serves greedy slots too. So no request has to wait for
 XLA: start-up compiles a *cover* set that serves any request within --context-length and
 --max-running-requests (the short shapes exactly, the rest through the largest programs, all
-sampled=True), a background thread then compiles every other shape (most useful first: the
+sampled=True, and one logprobs=True program at the largest shape), a background thread then
+compiles every other shape (most useful first: the
 greedy-only twins of the start-up dispatches, then, with adaptive speculation, their twins for
 its other candidates; with the persistent compilation cache, a restart loads them from disk), and
 each call takes the cheapest program compiled so far that covers it (adaptive speculation runs
@@ -166,9 +169,11 @@ class Programs:
         spans = self.spans()
         short = [x for x in spans if x <= 512] or spans[:1]
         keys = [("finish", 1)] + [("chunk", 1, self.chunk_for(x), x) for x in spans]
+        main = s.main_shape
         for n in self.sizes(max_bs):
-            keys += [("dispatch", n, x, True, s.main_shape) for x in short]
-        keys += [("dispatch", 1, s.max_len, True, s.main_shape), ("dispatch", s.slots, s.max_len, True, s.main_shape)]
+            keys += [("dispatch", n, x, True, main, False) for x in short]
+        keys += [("dispatch", 1, s.max_len, True, main, False), ("dispatch", s.slots, s.max_len, True, main, False)]
+        keys.append(("dispatch", s.slots, s.max_len, True, main, True))  # covers every request asking for logprobs
         return list(dict.fromkeys(keys))
 
     def background_keys(self) -> list[tuple]:
@@ -176,16 +181,17 @@ class Programs:
         then admission of several requests at once (bursts of short prompts). With adaptive
         speculation, the twins of the start-up dispatches for its other candidates come first
         (plain steps first; without them it cannot choose), then the greedy-only twins of the
-        start-up dispatches; the twins of the others come last. The list may be cut short by
-        MAP_BUDGET, so the most useful come first."""
+        start-up dispatches; the twins of the others come last, and the logprob programs for one
+        request at each short span after them. The list may be cut short by MAP_BUDGET, so the most
+        useful come first."""
         spans, sizes, main = self.spans(), self.sizes(), self.sched.main_shape
-        greedy = lambda ks: [k[:3] + (False, k[4]) for k in ks if k[0] == "dispatch"]
+        startup = [k for k in self.startup_keys(self.startup_bs) if k[0] != "dispatch" or not k[5]]
+        greedy = lambda ks: [k[:3] + (False,) + k[4:] for k in ks if k[0] == "dispatch"]
         others = [x for x in reversed(self.sched.shapes) if x != main]  # plain steps, then shallower trees
-        twins = lambda ks: [k[:4] + (x,) for x in others for k in ks if k[0] == "dispatch"]
-        startup = self.startup_keys(self.startup_bs)
+        twins = lambda ks: [k[:4] + (x,) + k[5:] for x in others for k in ks if k[0] == "dispatch"]
         keys = twins(startup) + greedy(startup)
-        rest = [("dispatch", 1, x, True, main) for x in spans]
-        rest += [("dispatch", n, x, True, main) for x in spans for n in sizes]
+        rest = [("dispatch", 1, x, True, main, False) for x in spans]
+        rest += [("dispatch", n, x, True, main, False) for x in spans for n in sizes]
         keys += rest
         # tiny prompts under a large min span
         keys += [("chunk", 1, c, spans[0]) for c in self.chunk_sizes() if c < spans[0]]
@@ -194,6 +200,7 @@ class Programs:
             keys += [("chunk", n, self.chunk_for(x), x) for x in spans if x <= 512]
         keys += greedy(rest)
         keys += twins(greedy(startup) + rest + greedy(rest))
+        keys += [("dispatch", 1, x, True, main, True) for x in spans if x <= 512]
         return [k for k in dict.fromkeys(keys) if k not in self._have()]
 
     # ---- compiling -----------------------------------------------------------------------------
@@ -215,7 +222,7 @@ class Programs:
         sds = jax.ShapeDtypeStruct
         dparams = jax.tree_util.tree_map(_spec, eng.dparams)
         if key[0] == "dispatch":
-            _, n_act, span, sampled, shape = key
+            _, n_act, span, sampled, shape, logprobs = key
             return dispatch.lower(
                 eng.graphdef,
                 self._params_spec,
@@ -229,6 +236,7 @@ class Programs:
                 span=span,
                 backend=eng.backend,
                 sampled=sampled,
+                logprobs=logprobs,
             )
         if key[0] == "chunk":
             _, n, c, span = key
@@ -327,7 +335,7 @@ class Programs:
                 jnp.zeros((n, eng.cfg.vocab_size), bool),
             )
         else:  # slots [0, n_act) decode k rounds from one committed column, with no stop in sight
-            _, n, _span, _sampled, _shape = key
+            n = key[1]
             b = s.batch
             fresh = lambda x: dataclasses.replace(x, lengths=x.lengths.at[:n].set(1)) if isinstance(x, KVCache) else x
             core = jax.tree_util.tree_map(fresh, b.core, is_leaf=lambda x: isinstance(x, KVCache))
@@ -404,24 +412,32 @@ class Programs:
             prog = self.compile(key)
         return prog
 
-    def dispatch_key(self, n_act: int, span: int, sampled: bool = True, shape: str | None = None) -> tuple | None:
-        """The cheapest compiled ("dispatch", n', span', s', shape) with n' >= n_act, span' >= span
-        and s' >= sampled (a sampling program serves greedy slots, at the cost of its sampler).
-        shape: a label of sched.shapes (default: the configured one). When no compiled program
-        covers the call: the exact key for the configured shape (compiled now), None for another
-        candidate of adaptive speculation (the configured shape serves the call instead)."""
+    def dispatch_key(
+        self, n_act: int, span: int, sampled: bool = True, shape: str | None = None, logprobs: bool = False
+    ) -> tuple | None:
+        """The cheapest compiled ("dispatch", n', span', s', shape, l') with n' >= n_act, span' >= span,
+        s' >= sampled (a sampling program serves greedy slots, at the cost of its sampler) and
+        l' >= logprobs. shape: a label of sched.shapes (default: the configured one). When no
+        compiled program covers the call: the exact key for the configured shape (compiled now),
+        None for another candidate of adaptive speculation (the configured shape serves the call
+        instead)."""
         shape = self.sched.main_shape if shape is None else shape
-        exact = ("dispatch", n_act, span, sampled, shape)
+        exact = ("dispatch", n_act, span, sampled, shape, logprobs)
         have = [
             k
             for k in self._have()
-            if k[0] == "dispatch" and k[1] >= n_act and k[2] >= span and k[3] >= sampled and k[4] == shape
+            if k[0] == "dispatch"
+            and k[1] >= n_act
+            and k[2] >= span
+            and k[3] >= sampled
+            and k[4] == shape
+            and k[5] >= logprobs
         ]
         if self.lazy or exact in have:
             return exact
         if not have:
             return exact if shape == self.sched.main_shape else None
-        return min(have, key=lambda k: (k[1] * (1024 + k[2]), k[3]))
+        return min(have, key=lambda k: (k[5], k[1] * (1024 + k[2]), k[3]))
 
     def finish_sizes(self) -> list[int]:
         return sorted(k[1] for k in self._have() if k[0] == "finish")

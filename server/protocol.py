@@ -3,8 +3,8 @@ the same schemas /openapi.json publishes, and their mapping to SamplingParams.
 
 Every field is typed and bounded (finite numbers, 32-bit token ids and counts, 64-bit seeds, bounded
 stop lists), so nothing reaches the scheduler unvalidated. Fields the OpenAI API defines but this
-server cannot honour yet (response_format other than text, tools, logit_bias, logprobs, n > 1,
-echo, ...) are rejected with a 400 that names them, never ignored. Fields that do not change the
+server cannot honour yet (response_format other than text, tools, logit_bias, suffix, ...) are
+rejected with a 400 that names them, never ignored. Fields that do not change the
 output (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`) are accepted. Fields
 no API defines are ignored, as OpenAI-compatible servers do, and logged.
 """
@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from jaxspec.errors import JaxspecError
+from jaxspec.logprobs import MAX_TOP_LOGPROBS
 from jaxspec.sampling import (
     INT32_MAX,
     Count,
@@ -41,6 +42,10 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+MAX_CHOICES = 256  # prompts x n of one request: each is a scheduler request (--max-queued-requests bounds them too)
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+
+
 def _unsupported(field: str, what: str) -> JaxspecError:
     return JaxspecError(f"{field}: {what} is not supported by this server")
 
@@ -60,7 +65,7 @@ class _OpenAICommon(_Body):
     repetition_penalty: Annotated[float, Field(allow_inf_nan=False, gt=0, le=2)] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    n: Annotated[int, Field(ge=1, le=INT32_MAX)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES, description="choices per prompt")] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
@@ -73,8 +78,6 @@ class _OpenAICommon(_Body):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
-        if self.n != 1:
-            raise _unsupported("n", f"n={self.n} (only n=1)")
         if self.logit_bias:
             raise _unsupported("logit_bias", "logit_bias")
         return self
@@ -138,7 +141,7 @@ class ChatCompletionRequest(_OpenAICommon):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: TopLogprobs | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -153,8 +156,8 @@ class ChatCompletionRequest(_OpenAICommon):
 
     @model_validator(mode="after")
     def _refuse_unsupported_chat(self):
-        if self.logprobs or self.top_logprobs:
-            raise _unsupported("logprobs", "logprobs / top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise JaxspecError("top_logprobs: needs logprobs: true")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             raise _unsupported(
                 "response_format", f"response_format {self.response_format.get('type')!r} (structured output)"
@@ -173,6 +176,10 @@ class ChatCompletionRequest(_OpenAICommon):
             raise _unsupported("web_search_options", "web search")
         return self
 
+    def top_logprobs_wanted(self) -> int | None:
+        """None: no logprobs; else how many alternatives to report with each token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def sampling(self, default_max):
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
@@ -186,30 +193,39 @@ class CompletionRequest(_OpenAICommon):
     prompt: str | Annotated[list[TokenId], Field(min_length=1)] | list[str] | list[list[TokenId]]
     echo: bool = False
     suffix: str | None = None
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    logprobs: (
+        Annotated[
+            int, Field(ge=0, le=MAX_TOP_LOGPROBS, description="report token logprobs with this many alternatives")
+        ]
+        | None
+    ) = None
     best_of: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported_completion(self):
-        if self.echo:
-            raise _unsupported("echo", "echo")
         if self.suffix:
             raise _unsupported("suffix", "suffix")
-        if self.logprobs is not None:
-            raise _unsupported("logprobs", "logprobs")
-        if self.best_of not in (None, 1):
-            raise _unsupported("best_of", f"best_of={self.best_of}")
+        if self.best_of not in (None, self.n):
+            raise _unsupported("best_of", f"best_of={self.best_of} (other than n)")
         return self
 
-    def prompt_one(self) -> str | list[int]:
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one string or token list, or a batch of them (a choice per prompt and n)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise JaxspecError("prompt: one prompt per request (batched prompts: send concurrent requests)")
-            p = p[0]
-        if isinstance(p, list) and not p:
-            raise JaxspecError("prompt: the prompt is empty")
-        return p  # type: ignore[return-value]  # a str or a list of ids once unwrapped
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if not batch:
+            raise JaxspecError("prompt: the list of prompts is empty")
+        if len(batch) * self.n > MAX_CHOICES:
+            raise JaxspecError(f"prompt: {len(batch)} prompts x n={self.n} exceeds {MAX_CHOICES} choices per request")
+        for i, x in enumerate(batch):
+            if isinstance(x, list) and not x:
+                raise JaxspecError(
+                    f"prompt[{i}]: the prompt is empty" if len(batch) > 1 else "prompt: the prompt is empty"
+                )
+        return batch  # type: ignore[return-value]
 
 
 SamplingParamsDict = Annotated[
@@ -218,7 +234,7 @@ SamplingParamsDict = Annotated[
         {
             "type": "object",
             "description": "SGLang's sampling parameters (SamplingParams; aliases: max_tokens, "
-            "sampling_seed; n must be 1)",
+            "sampling_seed; n: that many samples, returned as a list)",
         }
     ),
 ]
@@ -234,22 +250,28 @@ class GenerateRequest(_Body):
     speculative: bool = True
     rid: Annotated[str, Field(max_length=256)] | None = None
     return_logprob: bool = False
-    top_logprobs_num: Annotated[int, Field(ge=0, le=20)] = 0
+    top_logprobs_num: TopLogprobs = 0
     logprob_start_len: Annotated[int, Field(ge=-1, le=INT32_MAX)] = -1
+    return_text_in_logprobs: bool = False
 
     @model_validator(mode="after")
     def _checks(self):
         if (self.text is None) == (self.input_ids is None):
             raise JaxspecError("pass exactly one of text or input_ids")
-        if self.return_logprob or self.top_logprobs_num:
-            raise _unsupported("return_logprob", "return_logprob / top_logprobs_num")
+        n = self.sampling_params.get("n", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+            raise JaxspecError(f"sampling_params.n: must be an integer in [1, {MAX_CHOICES}]")
         for key in ("json_schema", "regex", "ebnf", "structural_tag"):
             if self.sampling_params.get(key) is not None:
                 raise _unsupported(f"sampling_params.{key}", "constrained decoding (json_schema / regex / ebnf)")
         return self
 
+    @property
+    def n(self) -> int:
+        return int(self.sampling_params.get("n", 1))
+
     def sampling(self) -> SamplingParams:
-        return SamplingParams.from_dict(self.sampling_params)
+        return SamplingParams.from_dict({k: v for k, v in self.sampling_params.items() if k != "n"})
 
 
 def openapi_schemas() -> dict[str, dict]:

@@ -33,13 +33,16 @@ from jaxspec.config import SpecConfig
 from jaxspec.decode import LENGTH, STOPPED
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
+from jaxspec.logprobs import top_k_for
 from jaxspec.requests import (
     bucket,
     check_prompt,
     check_stop_token_ids,
     draft_prompt,
     finish_reason,
+    logprob_rows,
     make_result,
+    output_logprobs,
     stop_token_ids,
 )
 from jaxspec.sampling import SamplingParams, SamplingTensors, any_sampled
@@ -62,10 +65,13 @@ class Request:
     params: SamplingParams
     emit: Callable[[dict], None]  # called from the scheduler thread: {"type": "delta" | "done" | "error", ...}
     speculative: bool = True  # False: this request decodes without speculation
+    top_logprobs: int | None = None  # report each output token's logprob with this many alternatives
     rid: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     # filled by the scheduler
     max_new: int = 0
     out_ids: list[int] = dataclasses.field(default_factory=list)
+    # with top_logprobs: per output token (logprob, [(token id, logprob)] of the top alternatives)
+    out_lps: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
     detok: DetokState = dataclasses.field(default_factory=DetokState)  # the streamed text so far
     slot: int | None = None
     verify_ct: int = 0
@@ -190,9 +196,7 @@ class Scheduler:
         self.overlap = overlap
         self.max_queued = max_queued_requests
         self.slots = self._plan_memory(max_running_requests, mem_fraction_static, gpu)
-        self.batch = SlotBatch.create(
-            eng.cfg, self.prop, self.slots, self.max_len, self.window, self.num_stop, eng.dtype, steps, eng.kv_sharding
-        )
+        self.batch = self._new_batch(self.slots)
         self.busy: dict[int, Request] = {}  # slot -> request (prefilling or decoding)
         # admission groups with prompt chunks left
         self._prefilling: collections.deque[PrefillGroup] = collections.deque()
@@ -216,9 +220,9 @@ class Scheduler:
     # ---- memory plan -------------------------------------------------------------------------
 
     def _plan_memory(self, requested: int | None, fraction: float, gpu: bool) -> int:
-        eng, steps = self.eng, self.spec.num_steps if self.spec else 0
+        eng = self.eng
         plan = plan_slots(
-            lambda: SlotBatch.create(eng.cfg, self.prop, 1, self.max_len, self.window, self.num_stop, eng.dtype, steps),
+            lambda: self._new_batch(1, sharded=False),
             lambda one: (one.core.cache.k, one.core.cache.v),
             (eng.params, eng.dparams if self.spec else None),
             eng.tp_size,
@@ -229,6 +233,24 @@ class Scheduler:
         )
         self.memory_plan: MemoryPlan = plan
         return plan.slots
+
+    def _new_batch(self, slots: int, sharded: bool = True) -> SlotBatch:
+        """Empty device slots. Every emitted token's logprob and its top alternatives (jaxspec/logprobs.py)
+        are computed (a top-k over the vocabulary per token: cheap next to the model); the host
+        reads them only for requests that asked."""
+        eng = self.eng
+        return SlotBatch.create(
+            eng.cfg,
+            self.prop,
+            slots,
+            self.max_len,
+            self.window,
+            self.num_stop,
+            eng.dtype,
+            self.spec.num_steps if self.spec else 0,
+            eng.kv_sharding if sharded else None,
+            top_logprobs=top_k_for(eng.cfg.vocab_size),
+        )
 
     # ---- public API (any thread) -------------------------------------------------------------
 
@@ -411,18 +433,7 @@ class Scheduler:
                 self._prefilling.clear()
                 self._pending.clear()
             self.batch = None
-            steps = self.spec.num_steps if self.spec else 0
-            self.batch = SlotBatch.create(
-                self.eng.cfg,
-                self.prop,
-                self.slots,
-                self.max_len,
-                self.window,
-                self.num_stop,
-                self.eng.dtype,
-                steps,
-                self.eng.kv_sharding,
-            )
+            self.batch = self._new_batch(self.slots)
             with self.lock:
                 self.stats.recoveries += 1
             self.last_recovery = why
@@ -581,9 +592,10 @@ class Scheduler:
         sampled = any_sampled(r.params for r in busy.values())
         span = self._span(need)
         spec = self._choose(busy, n_act)
-        key = self.programs.dispatch_key(n_act, span, sampled, shape_label(spec))
+        lps = any(r.top_logprobs is not None for r in busy.values())
+        key = self.programs.dispatch_key(n_act, span, sampled, shape_label(spec), lps)
         if key is None:  # another candidate chosen but not compiled yet: the configured shape serves as well
-            spec, key = self.spec, self.programs.dispatch_key(n_act, span, sampled)
+            spec, key = self.spec, self.programs.dispatch_key(n_act, span, sampled, logprobs=lps)
         prog = self.programs.get(key)
         self._seq += 1
         t = time.perf_counter()
@@ -604,20 +616,31 @@ class Scheduler:
     # ---- results -----------------------------------------------------------------------------
 
     def _process(self, item: Pending) -> None:
+        want_lps = any(r.top_logprobs is not None for r in item.who)
         if item.kind == "admit":
             who = item.reqs
-            first = np.asarray(jax.device_get(item.out))
+            first, lps = jax.device_get(item.out if want_lps else (item.out[0], None))
             now = t_got = time.perf_counter()
-            for r, t in zip(who, first):
+            for i, (r, t) in enumerate(zip(who, first)):
                 r.t_first = now
                 self._guarded(
                     "streaming",
                     [r],
-                    functools.partial(self._advance, r, [int(t)], done_code=None, verify_ct=0, hist=None, first=True),
+                    functools.partial(
+                        self._advance,
+                        r,
+                        [int(t)],
+                        done_code=None,
+                        verify_ct=0,
+                        hist=None,
+                        first=True,
+                        lps=None if lps is None else logprob_rows(lps, i, 0, 1, lps.k),
+                    ),
                 )
             new = len(who)
         else:
-            out, count, done, finish, vct, hist = jax.device_get(item.out)
+            out, count, done, finish, vct, hist = jax.device_get(item.out[:6])
+            lps = jax.device_get(item.out[6]) if want_lps else None
             t_got = time.perf_counter()
             if self.spec:
                 self._observe(item, vct, hist, t_got)
@@ -629,7 +652,15 @@ class Scheduler:
                 self._guarded(
                     "streaming",
                     [r],
-                    functools.partial(self._advance, r, toks, done_code=code, verify_ct=int(vct[s]), hist=h),
+                    functools.partial(
+                        self._advance,
+                        r,
+                        toks,
+                        done_code=code,
+                        verify_ct=int(vct[s]),
+                        hist=h,
+                        lps=None if lps is None else logprob_rows(lps, s, 0, len(toks), lps.k),
+                    ),
                 )
             new = int(sum(count[s] for s in item.slots))
         self._last_fetched = (item.seq, t_got)
@@ -670,11 +701,15 @@ class Scheduler:
         for (_, r), x in zip(reqs, acc):
             r.acc = x if r.acc is None else r.acc + x
 
-    def _advance(self, r: Request, toks, done_code, verify_ct, hist, first=False) -> None:
+    def _advance(self, r: Request, toks, done_code, verify_ct, hist, first=False, lps=None) -> None:
+        """r's next tokens from a device call (lps: their logprobs, when fetched)."""
         if r.finished or r.cancelled:
             return
         base = len(r.out_ids)
         r.out_ids += toks
+        if r.top_logprobs is not None:
+            assert lps is not None
+            r.out_lps += [(lp, top[: r.top_logprobs]) for lp, top in lps]
         r.known = len(r.ids) + len(r.out_ids)
         if self.spec:
             r.verify_ct = verify_ct if not first else 0
@@ -694,8 +729,12 @@ class Scheduler:
         if stop_hit is not None:
             reason = stop_hit
             toks = r.out_ids[base:]  # the stop string cut the output inside this dispatch's tokens
+            del r.out_lps[len(r.out_ids) :]
         if delta or toks:
-            r.send({"type": "delta", "text": delta, "ids": toks})
+            event = {"type": "delta", "text": delta, "ids": toks}
+            if r.top_logprobs is not None:
+                event["logprobs"] = r.out_lps[base:]
+            r.send(event)
         if reason is not None:
             with self.lock:
                 if self.busy.get(r.slot) is r:
@@ -744,6 +783,7 @@ class Scheduler:
             ttft=None if r.t_first is None else r.t_first - r.t_arrival,
             speculative=spec,
             **({"spec_shapes": self._shapes(r)} if spec and self.adaptive is not None else {}),
+            **(output_logprobs(r.out_ids, r.out_lps) if r.top_logprobs is not None else {}),
         )
 
     def _shapes(self, r: Request) -> dict[str, int]:

@@ -151,7 +151,7 @@ def test_stop_strings(spec_server):
     [
         ("/v1/chat/completions", {"messages": CHAT, "temperature": -1}, 400, "temperature"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-        ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n=2"),
+        ("/v1/chat/completions", {"messages": CHAT, "n": 0}, 400, "n"),
         ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4"}, 404, "gpt-4"),
         ("/v1/completions", {"prompt": "hi " * 300}, 400, "context length"),
         ("/v1/completions", {"prompt": [1, 2, 10**7]}, 400, "token ids"),
@@ -170,10 +170,9 @@ def test_stop_strings(spec_server):
         ("/generate", {"text": "hi", "sampling_params": {"repetition_penalty": [1, 2]}}, 400, "repetition_penalty"),
         ("/generate", {"text": "hi", "sampling_params": {"top_k": 2**40}}, 400, "top_k"),
         ("/generate", {"text": "hi", "sampling_params": {"json_schema": "{}"}}, 400, "json_schema"),
-        ("/generate", {"text": "hi", "return_logprob": True}, 400, "return_logprob"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": True}, 400, "logit_bias"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
-        ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+        ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 2**70}, 400, "max_tokens"),
         (
             "/v1/chat/completions",
@@ -187,7 +186,7 @@ def test_stop_strings(spec_server):
             400,
             "tools",
         ),
-        ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
+        ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 1}, 400, "top_logprobs"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},

@@ -226,7 +226,7 @@ SAMPLING_OK = {
     "skip_special_tokens": st.booleans(),
     "seed": seeds,
     "sampling_seed": seeds,
-    "n": st.sampled_from([1, None]),
+    "n": st.sampled_from([1, None, 2]),
 }
 # ... and with out-of-range values and what SGLang has beyond it
 SAMPLING = {
@@ -318,7 +318,7 @@ CHAT_OK = {
     **COMMON_OK,
     "messages": st.lists(message_ok, min_size=1, max_size=3),
     "max_completion_tokens": max_tok,
-    "logprobs": st.sampled_from([False, None]),
+    "logprobs": st.sampled_from([False, None, True]),
     "top_logprobs": st.sampled_from([0, None]),
     "response_format": st.sampled_from([None, {}, {"type": "text"}]),
     "tools": st.sampled_from([None, []]),
@@ -358,9 +358,9 @@ COMPLETION_OK = {
     | st.lists(tokens, min_size=1, max_size=8)
     | st.lists(clean_prompt, min_size=1, max_size=1)
     | st.lists(st.lists(tokens, min_size=1, max_size=5), min_size=1, max_size=1),
-    "echo": st.just(False),
+    "echo": st.booleans(),
     "suffix": st.sampled_from([None, ""]),
-    "logprobs": st.none(),
+    "logprobs": st.none() | st.integers(0, 5),
     "best_of": st.sampled_from([None, 1]),
 }
 COMPLETION = {
@@ -397,8 +397,8 @@ GENERATE_OK = {
     "stream": st.booleans(),
     "speculative": st.booleans(),
     "rid": short_text,
-    "return_logprob": st.just(False),
-    "top_logprobs_num": st.just(0),
+    "return_logprob": st.booleans(),
+    "top_logprobs_num": st.integers(0, 20),
     "logprob_start_len": st.integers(-1, 100),
 }
 GENERATE = {
@@ -647,58 +647,72 @@ def check_output(text: str, n_tokens: int, reason: str, matched, body, what: str
 
 
 def check_openai(raw: bytes, headers: dict, body: dict, chat: bool, what: str) -> None:
+    """Every choice (n, batched prompts) checked on its own; an echoed prompt may hold a stop string."""
     obj = "chat.completion" if chat else "text_completion"
+    echo = not chat and body.get("echo") is True
     if headers.get("content-type", "").startswith("text/event-stream"):
         events = sse_events(raw, what)
-        text, fin = "", []
+        texts: dict = collections.defaultdict(str)
+        fin: dict = collections.defaultdict(list)
         for e in events:
             assert e["object"] == (obj + ".chunk" if chat else obj), f"{what}: {e}"
             for c in e["choices"]:
                 piece = c["delta"].get("content", "") if chat else c["text"]
                 assert isinstance(piece, str), f"{what}: {e}"
-                text += piece
-                fin += [c] if c["finish_reason"] is not None else []
-        assert len(fin) == 1, f"{what}: {events[-3:]}"
-        n = events[-1]["usage"]["completion_tokens"] if events[-1].get("usage") else None
-        return check_output(text, n or 0, fin[0]["finish_reason"], fin[0].get("matched_stop"), body, what)
+                texts[c["index"]] += piece
+                fin[c["index"]] += [c] if c["finish_reason"] is not None else []
+        assert texts and all(len(f) == 1 for f in fin.values()) and set(fin) == set(texts), f"{what}: {events[-3:]}"
+        for i, text in texts.items():
+            f = fin[i][0]
+            check_output("" if echo else text, 0, f["finish_reason"], f.get("matched_stop"), body, what)
+        return
     assert headers.get("content-type", "").startswith("application/json"), f"{what}: {headers}"
     r = json.loads(raw)
-    assert r["object"] == obj and len(r["choices"]) == 1, f"{what}: {r}"
-    c = r["choices"][0]
-    out = c["message"]["content"] if chat else c["text"]
-    assert isinstance(out, str), f"{what}: {r}"
-    if chat:
-        assert c["message"]["role"] == "assistant", f"{what}: {r}"
+    assert r["object"] == obj and r["choices"], f"{what}: {r}"
+    assert [c["index"] for c in r["choices"]] == list(range(len(r["choices"]))), f"{what}: {r}"
     u = r["usage"]
     assert all(type(u[k]) is int and u[k] >= 0 for k in ("prompt_tokens", "completion_tokens", "total_tokens")), (
         f"{what}: {r}"
     )
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] and u["prompt_tokens"] > 0, f"{what}: {r}"
-    check_output(out, u["completion_tokens"], c["finish_reason"], c.get("matched_stop"), body, f"{what}: {r}")
+    cap = cap_of(body)
+    assert cap is None or u["completion_tokens"] <= cap * len(r["choices"]), f"{what}: {r}"
+    for c in r["choices"]:
+        out = c["message"]["content"] if chat else c["text"]
+        assert isinstance(out, str), f"{what}: {r}"
+        if chat:
+            assert c["message"]["role"] == "assistant", f"{what}: {r}"
+        check_output("" if echo else out, 0, c["finish_reason"], c.get("matched_stop"), body, f"{what}: {r}")
 
 
 def check_generate(raw: bytes, headers: dict, body: dict, what: str) -> None:
     if headers.get("content-type", "").startswith("text/event-stream"):
         events = sse_events(raw, what)
-        r = events[-1]
-        if len(events) > 1:  # the streamed text is the final text
-            assert events[-2]["text"] == r["text"], f"{what}: streamed {events[-2]['text']!r}, final {r['text']!r}"
+        last: dict = {}
+        for e in events:  # per sample (n > 1: each event has its index)
+            i = e.get("index", 0)
+            if i in last and e["meta_info"].get("finish_reason") is not None:
+                assert last[i]["text"] == e["text"], f"{what}: streamed {last[i]['text']!r}, final {e['text']!r}"
+            last[i] = e
+        results = list(last.values())
     else:
         r = json.loads(raw)
-    assert isinstance(r["text"], str) and all(type(t) is int and 0 <= t < VOCAB for t in r["output_ids"]), (
-        f"{what}: {r}"
-    )
-    m = r["meta_info"]
-    assert m["completion_tokens"] == len(r["output_ids"]), f"{what}: {r}"
-    sp = body.get("sampling_params")
-    check_output(
-        r["text"],
-        len(r["output_ids"]),
-        m["finish_reason"]["type"],
-        m["finish_reason"].get("matched"),
-        sp,
-        f"{what}: {r}",
-    )
+        results = r if isinstance(r, list) else [r]
+    for r in results:
+        assert isinstance(r["text"], str) and all(type(t) is int and 0 <= t < VOCAB for t in r["output_ids"]), (
+            f"{what}: {r}"
+        )
+        m = r["meta_info"]
+        assert m["completion_tokens"] == len(r["output_ids"]), f"{what}: {r}"
+        sp = body.get("sampling_params")
+        check_output(
+            r["text"],
+            len(r["output_ids"]),
+            m["finish_reason"]["type"],
+            m["finish_reason"].get("matched"),
+            sp,
+            f"{what}: {r}",
+        )
 
 
 def post(s: Server, path: str, case, body) -> None:

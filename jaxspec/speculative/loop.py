@@ -26,6 +26,7 @@ from flax import nnx
 from jaxspec.cache import KVCache
 from jaxspec.config import SpecConfig
 from jaxspec.decode import LENGTH, RUNNING, STOPPED, target_prefill
+from jaxspec.logprobs import TokenLogprobs, compute
 from jaxspec.sampling import SamplingTensors, sample
 from jaxspec.speculative import tree as tree_lib
 from jaxspec.speculative.proposers.base import DraftState, Proposer
@@ -108,10 +109,13 @@ class SpecState:
     base: jax.Array | None = None  # [B] `out` is a window holding tokens base .. num_out - 1
     counts: jax.Array | None = None  # [B, V] int32 output-token counts (penalties of plain slots)
     seen: jax.Array | None = None  # [B, V] bool prompt + output tokens
+    lps: TokenLogprobs | None = None  # [B, M(, K)] logprobs of `out`'s tokens (when requested)
 
 
-def emit(state: SpecState, new, n_new, max_new_tokens, stop_ids):
-    """Appends new[:, :n_new] (cut after the first stop token and at max_new_tokens) to active slots."""
+def emit(state: SpecState, new, n_new, max_new_tokens, stop_ids, logits=None, st=None):
+    """Appends new[:, :n_new] (cut after the first stop token and at max_new_tokens) to active slots.
+    logits [B, T, V]: the target's logits that produced each new token, for state.lps (when the
+    state carries logprobs; st: the sampling tensors, for the temperature)."""
     b, t = new.shape
     i = jnp.arange(t)[None, :]
     active = ~state.done
@@ -124,6 +128,10 @@ def emit(state: SpecState, new, n_new, max_new_tokens, stop_ids):
     start = state.num_out if state.base is None else state.num_out - state.base
     cols = jnp.where(i < count[:, None], start[:, None] + i, state.out.shape[1])  # out of range = dropped
     out = state.out.at[jnp.arange(b)[:, None], cols].set(new, mode="drop")
+    lps = state.lps
+    if lps is not None:
+        assert logits is not None and st is not None, "a state with logprobs needs the logits of its tokens"
+        lps = lps.scatter(jnp.arange(b)[:, None], cols, compute(logits, new, st.temperature, lps.k))
     num_out = state.num_out + count
     hit_len = active & ~stopped & (num_out >= max_new_tokens)
     stopped &= active
@@ -134,7 +142,14 @@ def emit(state: SpecState, new, n_new, max_new_tokens, stop_ids):
         counts = counts.at[jnp.arange(b)[:, None], new].add(emitted)
         seen = seen.at[jnp.arange(b)[:, None], new].max(emitted > 0)
     return dataclasses.replace(
-        state, out=out, num_out=num_out, done=state.done | stopped | hit_len, finish=finish, counts=counts, seen=seen
+        state,
+        out=out,
+        num_out=num_out,
+        done=state.done | stopped | hit_len,
+        finish=finish,
+        counts=counts,
+        seen=seen,
+        lps=lps,
     )
 
 
@@ -188,10 +203,11 @@ def spec_round(
     keys = jax.vmap(jax.random.fold_in)(
         jax.vmap(jax.random.fold_in)(st.keys, jnp.ones_like(state.verify_ct)), state.verify_ct
     )
+    logits = tgt.logits(h)  # [B, N, V]
     if spec.ngram is not None and spec.ngram.force_greedy_verify:  # SGLANG_NGRAM_FORCE_GREEDY_VERIFY
-        acc = greedy_verify(tree, tgt.logits(h), steps)
+        acc = greedy_verify(tree, logits, steps)
     else:
-        acc = verify(tree, tgt.logits(h), st, keys, steps, thr[0], thr[1], sampled)
+        acc = verify(tree, logits, st, keys, steps, thr[0], thr[1], sampled)
     if plain is not None:
         acc = _plain_slots(tgt, h, acc, plain, st, state, keys, sampled)
     active = ~state.done
@@ -205,7 +221,9 @@ def spec_round(
     b = new.shape[0]
     hist = state.hist.at[jnp.arange(b), n_new].add(active.astype(jnp.int32))
     state = dataclasses.replace(state, cache=cache, verify_ct=state.verify_ct + active, hist=hist)
-    state = emit(state, new, n_new, max_new_tokens, stop_ids)
+    # emitted token i was produced at path node i (its parent; the bonus at the last accepted node)
+    path_logits = None if state.lps is None else jnp.take_along_axis(logits, acc.path[:, :, None], 1)
+    state = emit(state, new, n_new, max_new_tokens, stop_ids, path_logits, st)
     # refresh the draft over what was accepted
     feats = prop.features(h, cap)
     if prop.root_in_region:  # block = [x_L, accepted drafts..., bonus]
@@ -230,7 +248,7 @@ def _plain_slots(tgt, h, acc: Accepted, plain, st: SamplingTensors, state: SpecS
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "prop", "spec", "buf", "backend", "sampled"),
+    static_argnames=("graphdef", "prop", "spec", "buf", "backend", "sampled", "top_logprobs"),
     donate_argnames=("cache", "dcache"),
 )
 def spec_start(
@@ -249,15 +267,18 @@ def spec_start(
     buf: int,
     backend="xla",
     sampled: bool = True,
+    top_logprobs: int | None = None,
 ) -> SpecState:
     """The first token from the prefill's last hidden state [B, H] and the draft's extension over
-    it: the state `spec_block` runs rounds on (out [B, buf]; hist sized for spec.num_steps)."""
+    it: the state `spec_block` runs rounds on (out [B, buf]; hist sized for spec.num_steps).
+    top_logprobs (static): None, or record each token's logprob with this many alternatives."""
     tgt = nnx.merge(graphdef, params)
     b = last_h.shape[0]
     v = tgt.cfg.vocab_size
     zeros = jnp.zeros((b, v), jnp.int32)
+    first_logits = tgt.logits(last_h)
     first = sample(
-        tgt.logits(last_h),
+        first_logits,
         st,
         zeros,
         zeros > 0,
@@ -279,8 +300,9 @@ def spec_start(
         draft=dstate,
         verify_ct=jnp.zeros((b,), jnp.int32),
         hist=jnp.zeros((b, spec.num_steps + 2), jnp.int32),
+        lps=None if top_logprobs is None else TokenLogprobs.zeros((b, buf), top_logprobs),
     )
-    state = emit(state, first[:, None], jnp.ones((b,), jnp.int32), max_new_tokens, stop_ids)
+    state = emit(state, first[:, None], jnp.ones((b,), jnp.int32), max_new_tokens, stop_ids, first_logits[:, None], st)
     feats = None if last_feat is None or not prop.uses_hidden else last_feat[:, None]
     dstate = prop.extend(
         dparams, tgt, state.draft, first[:, None], feats, jnp.ones((b,), jnp.int32), jnp.ones((b,), bool)
@@ -321,11 +343,12 @@ def plain_steps(
             seen = counts > 0
         else:
             counts, seen = s.counts, s.seen
-        tok = sample(tgt.logits(h[:, 0]).astype(jnp.float32), st, counts, seen, keys, sampled)
+        logits = tgt.logits(h[:, 0]).astype(jnp.float32)
+        tok = sample(logits, st, counts, seen, keys, sampled)
         cache = dataclasses.replace(cache, lengths=cache.lengths + active)
         hist = s.hist.at[:, 1].add(active.astype(jnp.int32))
         s = dataclasses.replace(s, cache=cache, verify_ct=s.verify_ct + active, hist=hist)
-        s = emit(s, tok[:, None], jnp.ones((b,), jnp.int32), max_new_tokens, stop_ids)
+        s = emit(s, tok[:, None], jnp.ones((b,), jnp.int32), max_new_tokens, stop_ids, logits[:, None], st)
         s = dataclasses.replace(s, last=jnp.where(active, tok, s.last))
         toks = toks.at[:, i].set(tok)
         f = prop.features(h, cap)
