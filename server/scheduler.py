@@ -591,8 +591,8 @@ class Scheduler:
         eng = self.eng
         sampled = any_sampled(r.params for r in busy.values())
         span = self._span(need)
-        spec = self._choose(busy, n_act)
         lps = any(r.top_logprobs is not None for r in busy.values())
+        spec = self._choose(busy, n_act, span, sampled, lps)
         key = self.programs.dispatch_key(n_act, span, sampled, shape_label(spec), lps)
         if key is None:  # another candidate chosen but not compiled yet: the configured shape serves as well
             spec, key = self.spec, self.programs.dispatch_key(n_act, span, sampled, logprobs=lps)
@@ -602,16 +602,19 @@ class Scheduler:
         self.batch, outs = prog(eng.params, eng.dparams, self.batch, jnp.asarray(kill))
         self._pending.append(Pending("dispatch", [], busy, outs, self._seq, t, spec, n_act, key))
 
-    def _choose(self, busy: dict[int, Request], n_act: int):
+    def _choose(self, busy: dict[int, Request], n_act: int, span: int, sampled: bool, lps: bool):
         """The tree shape for the next dispatch, or None (plain steps): adaptive speculation's
-        choice from the running requests' acceptance so far (self.spec when it is off)."""
+        choice from the running requests' acceptance so far (self.spec when it is off), among the
+        candidates that a compiled program covers for this call (a candidate without one would
+        never be measured, and the choice would stay on it)."""
         if self.adaptive is None:
             return self.spec
+        allowed = [x for x in self.shapes if self.programs.dispatch_key(n_act, span, sampled, x, lps) is not None]
         spec_reqs = [r for r in busy.values() if r.speculative]
         none = self.adaptive.empty(1)[0]
         acc = np.array([none if r.acc is None else r.acc for r in spec_reqs]).reshape((-1,) + none.shape)
         greedy = np.array([not any_sampled([r.params]) for r in spec_reqs], bool)
-        return self.adaptive.choose(n_act, acc, greedy, n_plain=len(busy) - len(spec_reqs))
+        return self.adaptive.choose(n_act, acc, greedy, n_plain=len(busy) - len(spec_reqs), allowed=allowed)
 
     # ---- results -----------------------------------------------------------------------------
 

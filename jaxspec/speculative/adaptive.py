@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import jax
@@ -99,13 +99,17 @@ class Adaptive:
         cond = (acc[:, 1] + PRIOR_ROUNDS * cond0) / (acc[:, 0] + PRIOR_ROUNDS)
         return 1.0 + np.cumprod(cond, -1)[:, : spec.num_steps].sum(-1)
 
-    def choose(self, batch: int, acc: np.ndarray, greedy: np.ndarray, n_plain: int = 0) -> SpecConfig | None:
+    def choose(
+        self, batch: int, acc: np.ndarray, greedy: np.ndarray, n_plain: int = 0, allowed: Collection[str] | None = None
+    ) -> SpecConfig | None:
         """The candidate for the next block; acc: [R, 2, D] and greedy [R] of the running
         speculative requests; n_plain: running requests that never speculate (one token per round
-        either way)."""
+        either way); allowed: the labels of the candidates that can run now (the server: those with
+        a compiled program for this call; the configured shape always can), default all."""
+        cands = [c for c in self.candidates if c is self.spec or allowed is None or shape_label(c) in allowed]
         if len(acc) == 0:
-            return None
-        for c in self.candidates:  # measure every candidate's cost first, the configured shape first
+            return None if None in cands else self.spec
+        for c in cands:  # measure every candidate's cost first, the configured shape first
             if len(self.cost.get((shape_label(c), batch), [])) < 2:
                 return c
 
@@ -113,8 +117,8 @@ class Adaptive:
             tokens = len(acc) if c is None else self.expected_tokens(acc, greedy, c).sum()
             return (tokens + n_plain) / self.round_cost(c, batch)
 
-        best = max(self.candidates[:-1], key=rate)
-        pick = None if rate(None) > rate(best) * (1 + MARGIN) else best
+        best = max([c for c in cands if c is not None], key=rate)
+        pick = None if None in cands and rate(None) > rate(best) * (1 + MARGIN) else best
         if self.exploring and pick is not self.spec:  # the last block looked again and confirmed: look less often
             self.explore_gap = min(2 * self.explore_gap, EXPLORE_MAX)
         self.exploring = False
