@@ -2,8 +2,8 @@
 
 One scheduler thread owns the device state (jaxspec/serving.py `SlotBatch`) and loops:
   admit     waiting requests take the lowest free slots, in power-of-two groups
-  prefill   one prompt chunk per iteration while others decode (all chunks when nothing decodes),
-            then the group's first tokens
+  prefill   prompt chunks up to --chunked-prefill-size tokens per iteration while others decode
+            (all of a group's chunks when nothing decodes), then each group's first tokens
   dispatch  k rounds for the decoding slots (one compiled program); every other slot is stopped.
             With adaptive speculation, plain steps instead when they are expected to be faster
   process   fetch a dispatch's new tokens, detokenize, stream them, finish requests, free their slots
@@ -498,9 +498,13 @@ class Scheduler:
         return PrefillGroup(reqs, chunk, list(keys), prompt, dprompt)
 
     def _prefill(self, interleave: bool) -> None:
-        """Runs prefill chunks: one chunk when requests are decoding (SGLang's chunked prefill: a
-        long prompt does not stall the others' streams), else until a group has its first token."""
-        while self._prefilling:
+        """Runs prefill chunks, group after group, until --chunked-prefill-size prompt tokens (padding
+        included) have been prefilled in this iteration (SGLang's chunked prefill: a long prompt
+        does not stall the others' streams, and a burst of short ones is admitted a budget at a
+        time rather than one request per dispatch); at least one chunk, and when nothing is
+        decoding (interleave False), at least until one group has its first token."""
+        budget, used, started = self.eng.chunked_prefill_size, 0, False
+        while self._prefilling and used < budget or (not interleave and not started and self._prefilling):
             g = self._prefilling[0]
             if all(r.cancelled for r in g.reqs):  # nobody is waiting for this group any more
                 self._prefilling.popleft()
@@ -510,12 +514,11 @@ class Scheduler:
                 if self._prefilling and self._prefilling[0] is g:
                     self._prefilling.popleft()
                 return
+            used += g.chunk * len(g.reqs)
             if g.next == g.n_chunks:
                 self._prefilling.popleft()
+                started = True
                 self._guarded("starting decoding", g.reqs, lambda g=g: self._finish_admission(g.reqs))
-                return
-            if interleave:
-                return
 
     def _prefill_chunk(self, g: PrefillGroup) -> None:
         eng, c, chunk = self.eng, g.next, g.chunk

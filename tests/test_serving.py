@@ -213,6 +213,42 @@ def test_long_prefill_interleaves_with_decoding(models):
     assert late.slot == doomed.slot  # it got the slot once the cancelled prefill let go
 
 
+def test_burst_admitted_a_prefill_budget_at_a_time(models, reference):
+    """Requests arriving together while another decodes are prefilled up to --chunked-prefill-size
+    prompt tokens per iteration (padding included), not one group per dispatch: with a budget of
+    four 64-token chunks, three short prompts all get their first token in the same iteration
+    (admitted as groups of two and one), and with a budget of one chunk only the first group does.
+    Outputs stay token-identical."""
+    kw = dict(
+        skip_tokenizer_init=True,
+        show_progress=False,
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=models["eagle3"],
+        speculative_num_steps=3,
+        speculative_eagle_topk=2,
+        speculative_num_draft_tokens=6,
+    )
+    for budget, started in [(256, 3), (64, 2)]:
+        sched = Scheduler(Engine(models["target"], chunked_prefill_size=budget, **kw), max_running_requests=4)
+        res = {}
+        reqs = [
+            Request(
+                ids=PROMPTS[i],
+                params=SamplingParams.from_dict(GREEDY),
+                emit=lambda e, i=i: res.__setitem__(i, e["result"]["output_ids"]) if e["type"] == "done" else None,
+            )
+            for i in range(4)
+        ]
+        sched.submit(reqs[0])
+        sched.step()  # request 0 decodes
+        for r in reqs[1:]:
+            sched.submit(r)
+        sched.step()
+        assert sum(r.decoding for r in reqs[1:]) == started, budget
+        sched.run_until_idle()
+        assert res == {i: reference[i] for i in range(4)}
+
+
 def test_opted_out_sampling_matches_target_distribution(models):
     """Requests that turn speculation off on a speculative server sample inside the round
     (spec_round(plain=...)); their tokens 2 and 3 must follow the target distribution (chi-square)."""
