@@ -235,7 +235,9 @@ def test_burst_admitted_a_prefill_budget_at_a_time(models, reference):
             Request(
                 ids=PROMPTS[i],
                 params=SamplingParams.from_dict(GREEDY),
-                emit=lambda e, i=i: res.__setitem__(i, e["result"]["output_ids"]) if e["type"] == "done" else None,
+                emit=lambda e, i=i, res=res: (
+                    res.__setitem__(i, e["result"]["output_ids"]) if e["type"] == "done" else None
+                ),
             )
             for i in range(4)
         ]

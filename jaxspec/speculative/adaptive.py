@@ -20,12 +20,13 @@ pooled per depth (an approximation when their widths differ). Speculation stops 
 steps are expected to be MARGIN faster than the best shape (estimates are noisy, and while
 speculation is off a request's acceptance is not observed). While another candidate than the
 configured shape runs, the configured shape is tried again for one block after EXPLORE_MIN blocks,
-an interval that doubles (up to EXPLORE_MAX) each time the trial confirms the choice, but only
-while the trial could plausibly win: when the configured shape beats the current choice with each
-depth's acceptance at its upper confidence bound (OPTIMISM standard errors above its estimate, from
-the rounds the estimate is worth). Where speculation cannot pay at any plausible acceptance (a
-sampled request whose draft rarely agrees, or a large batch whose round costs several steps), it
-is not tried again at a loss.
+an interval that doubles (up to EXPLORE_MAX) each time the trial confirms the choice. Sooner than
+EXPLORE_MAX blocks, the trial runs only if it could plausibly win: if the configured shape beats
+the current choice with each depth's acceptance at its upper confidence bound (OPTIMISM standard
+errors above its estimate, from the rounds the estimate is worth). So where speculation cannot pay
+at any plausible acceptance (a sampled request whose draft rarely agrees, a large batch whose
+round costs several steps) it is tried only every EXPLORE_MAX blocks, which keeps the prior from
+going stale.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ PRIOR_DECAY = 0.98  # per block: the prior follows the last few hundred rounds
 COST_SAMPLES = 8  # a round's cost is the median of the last this many blocks' (once there are 2)
 MARGIN = 0.05  # speculation stops only when plain steps are expected to be this much faster
 EXPLORE_MIN, EXPLORE_MAX = 4, 64
-OPTIMISM = 1.0  # standard errors above the acceptance estimate that a look again must be able to pay at
+OPTIMISM = 2.0  # standard errors above the acceptance estimate at which a look again must be able to pay
 OFF = "off"
 
 
@@ -140,7 +141,8 @@ class Adaptive:
             return self.spec
         self.since_explore += 1
         # look again at every depth of the requests' acceptance, if it could plausibly pay
-        if self.since_explore > self.explore_gap and rate(self.spec, OPTIMISM) > rate(pick):
+        due = self.since_explore > self.explore_gap
+        if due and (self.since_explore > EXPLORE_MAX or rate(self.spec, OPTIMISM) > rate(pick)):
             self.since_explore, self.exploring = 0, True
             return self.spec
         return pick

@@ -1,0 +1,84 @@
+"""What one server dispatch costs, per program kind: the plain server's decode steps against the
+speculative server's candidates (the configured tree, the shallower one, plain steps that keep the
+draft up to date), at a given number of busy slots and KV span.
+
+    python benchmarks/bench_dispatch.py [--slots 1 4 16] [--span 256] [--reps 12]
+
+Every slot decodes from a committed context of span / 2 columns, with no stop in sight, greedy;
+each program runs once untimed, then --reps times. Reported per program: the median dispatch
+time, the tokens it emitted per slot (the acceptance here is that of a context of zeros, so only
+the cost columns carry over to real text) and the cost of one round (one decode step of the plain
+server) relative to the plain server's step. A tree round pays only when it emits more tokens than
+that ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from common import machine
+
+import jaxspec
+from jaxspec.cache import KVCache
+from server.scheduler import Scheduler
+
+
+def time_dispatch(sched: Scheduler, n: int, span: int, shape: str, reps: int) -> tuple[float, float, float]:
+    """(median seconds per dispatch, tokens emitted per slot, rounds per slot) of the greedy
+    dispatch program of `shape` for slots [0, n) at `span`."""
+    key = ("dispatch", n, span, False, shape, False)
+    prog = sched.programs.get(key)
+    sched.programs.exercise(key, prog)
+    times = []
+    for _ in range(reps + 1):
+        b = sched.batch
+        ctx = lambda x: dataclasses.replace(x, lengths=x.lengths.at[:n].set(span // 2)) if isinstance(x, KVCache) else x
+        core = jax.tree_util.tree_map(ctx, b.core, is_leaf=lambda x: isinstance(x, KVCache))
+        core = dataclasses.replace(
+            core, done=core.done.at[:n].set(False), num_out=core.num_out.at[:n].set(1), base=core.base.at[:n].set(1)
+        )
+        if hasattr(core, "verify_ct"):
+            core = dataclasses.replace(core, verify_ct=core.verify_ct.at[:n].set(0))
+        b = dataclasses.replace(b, core=core, max_new=b.max_new.at[:n].set(1 << 20), stop_ids=b.stop_ids.at[:n].set(-1))
+        b = jax.block_until_ready(b)
+        t = time.perf_counter()
+        sched.batch, outs = prog(sched.eng.params, sched.eng.dparams, b, jnp.zeros((sched.slots,), bool))
+        count, vct = jax.device_get((outs[1], outs[4]))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times[1:])), float(np.mean(count[:n])), float(np.mean(vct[:n]))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--slots", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--span", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--context-length", type=int, default=1024)
+    args = ap.parse_args()
+    plain = jaxspec.Engine(show_progress=False, speculative_algorithm="NONE", context_length=args.context_length)
+    spec = jaxspec.Engine(show_progress=False, context_length=args.context_length)
+    print(f"machine: {machine()}; span {args.span}, greedy")
+    print("| slots | program | ms per dispatch | tokens per slot | rounds per slot | round / plain step |")
+    print("|---|---|---|---|---|---|")
+    for n in args.slots:
+        sp, ss = Scheduler(plain, max_running_requests=n), Scheduler(spec, max_running_requests=n)
+        ms, toks, _ = time_dispatch(sp, n, args.span, sp.main_shape, args.reps)
+        step = ms / toks
+        print(f"| {n} | plain server | {ms * 1e3:.1f} | {toks:.1f} | {toks:.1f} | 1.00 |", flush=True)
+        for shape in ss.shapes:
+            ms, toks, rounds = time_dispatch(ss, n, args.span, shape, args.reps)
+            name = "plain steps (off)" if shape == "off" else f"tree {shape}"
+            print(
+                f"| {n} | {name} | {ms * 1e3:.1f} | {toks:.1f} | {rounds:.1f} | {ms / rounds / step:.2f} |", flush=True
+            )
+        del sp, ss
+        jax.clear_caches()
+
+
+if __name__ == "__main__":
+    main()
