@@ -264,9 +264,9 @@ def dispatch(
     sampled: bool = True,
     logprobs: bool = False,
 ):
-    """k rounds (plain: decode steps) for slots [0, n_act). With a proposer and spec None: k
-    plain steps instead, then one draft extension over them (speculation off costs what the plain
-    server's dispatch costs, and reads no more KV columns). On a GPU the k rounds always run (a
+    """k rounds (plain: decode steps) for slots [0, n_act). With a proposer and spec None: W
+    plain steps instead (W = the window, the tokens k rounds can emit), then one draft extension.
+    On a GPU the k rounds always run (a
     loop of known trip count: no predicate goes back to the host between rounds, so the whole
     dispatch can stay one CUDA graph; finished slots are padding); on a CPU the loop stops early
     once every slot is done, which saves the rounds' compute. sampled (static): some slot has
@@ -290,9 +290,9 @@ def dispatch(
     trips = k
     if prop is None:
         step = lambda s: decode_step(tgt, s, sub.st, sub.max_new, sub.stop_ids, backend, sampled)
-    elif spec is None:  # one call: k steps and the draft's catch-up
-        trips = 1
-        step = lambda s: plain_steps(tgt, prop, dparams, s, sub.st, sub.max_new, sub.stop_ids, k, backend, sampled, cpu)
+    elif spec is None:  # one call: W steps and the draft's catch-up
+        w, trips = core.out.shape[1], 1
+        step = lambda s: plain_steps(tgt, prop, dparams, s, sub.st, sub.max_new, sub.stop_ids, w, backend, sampled, cpu)
     else:
         thr = (
             jnp.full((n_act,), spec.accept_threshold_single, jnp.float32),

@@ -84,7 +84,7 @@ class Request:
     t_first: float | None = None
     decoding: bool = False  # prefilled: its slot takes part in dispatches
     known: int = 0  # tokens (prompt + output) whose results the host has processed
-    ahead: int = 0  # tokens that dispatches enqueued for it, whose results are not processed yet, may emit
+    inflight: int = 0  # dispatches enqueued for this request whose results are not processed yet
     # stop token ids (EOS, stop_token_ids, 1-token stop strings)
     _stops: list[int] = dataclasses.field(default_factory=list)
 
@@ -564,7 +564,7 @@ class Scheduler:
         )
         with self.lock:
             for r in reqs:
-                r.known, r.ahead = len(r.ids) + 1, 0
+                r.known, r.inflight = len(r.ids) + 1, 0
                 r.decoding = not r.cancelled
         self._release([r for r in reqs if r.cancelled])
         self._pending.append(Pending("admit", reqs, {}, first, self._seq))
@@ -584,49 +584,35 @@ class Scheduler:
         n_act = min(bucket(max(busy) + 1), self.slots)
         if n_act > self.slots:
             n_act = self.slots
+        for r in busy.values():
+            r.inflight += 1
+        # attention must see every column a slot can reach by the end of this dispatch
+        need = max(r.known + r.inflight * self.window for r in busy.values()) + self.scratch
         # every slot not decoding a live request stops: finished, cancelled, prefilling or free
         kill = np.ones((self.slots,), bool)
         kill[list(busy)] = False
         eng = self.eng
         sampled = any_sampled(r.params for r in busy.values())
+        span = self._span(need)
         lps = any(r.top_logprobs is not None for r in busy.values())
-        spec = self._choose(busy, n_act, sampled, lps)
-        key = self.programs.dispatch_key(n_act, self._span_for(busy, spec), sampled, shape_label(spec), lps)
+        spec = self._choose(busy, n_act, span, sampled, lps)
+        key = self.programs.dispatch_key(n_act, span, sampled, shape_label(spec), lps)
         if key is None:  # another candidate chosen but not compiled yet: the configured shape serves as well
-            spec = self.spec
-            key = self.programs.dispatch_key(n_act, self._span_for(busy, spec), sampled, logprobs=lps)
-        emits = self._emits(spec)
-        for r in busy.values():
-            r.ahead += emits
+            spec, key = self.spec, self.programs.dispatch_key(n_act, span, sampled, logprobs=lps)
         prog = self.programs.get(key)
         self._seq += 1
         t = time.perf_counter()
         self.batch, outs = prog(eng.params, eng.dparams, self.batch, jnp.asarray(kill))
         self._pending.append(Pending("dispatch", [], busy, outs, self._seq, t, spec, n_act, key))
 
-    def _emits(self, spec: SpecConfig | None) -> int:
-        """The most tokens a dispatch of `spec` emits per slot (None: plain steps or plain decoding)."""
-        return self.k * (1 if spec is None else spec.num_steps + 1)
-
-    def _span_for(self, busy: dict[int, Request], spec: SpecConfig | None) -> int:
-        """The KV columns a dispatch of `spec` must read: every column a slot can reach by its end,
-        counting the dispatches still in flight, plus the round's scratch region (plain steps of a
-        speculative server: 2, the draft's extension block may also hold x_L and the last token)."""
-        scratch = self.scratch if spec is not None else 2 if self.spec is not None else 0
-        return self._span(max(r.known + r.ahead for r in busy.values()) + self._emits(spec) + scratch)
-
-    def _choose(self, busy: dict[int, Request], n_act: int, sampled: bool, lps: bool):
+    def _choose(self, busy: dict[int, Request], n_act: int, span: int, sampled: bool, lps: bool):
         """The tree shape for the next dispatch, or None (plain steps): adaptive speculation's
         choice from the running requests' acceptance so far (self.spec when it is off), among the
         candidates that a compiled program covers for this call (a candidate without one would
         never be measured, and the choice would stay on it)."""
         if self.adaptive is None:
             return self.spec
-        allowed = [
-            x
-            for x, c in self.shapes.items()
-            if self.programs.dispatch_key(n_act, self._span_for(busy, c), sampled, x, lps) is not None
-        ]
+        allowed = [x for x in self.shapes if self.programs.dispatch_key(n_act, span, sampled, x, lps) is not None]
         spec_reqs = [r for r in busy.values() if r.speculative]
         none = self.adaptive.empty(1)[0]
         acc = np.array([none if r.acc is None else r.acc for r in spec_reqs]).reshape((-1,) + none.shape)
@@ -667,7 +653,7 @@ class Scheduler:
             for s, r in item.slots.items():
                 code = int(finish[s]) if done[s] else None
                 toks = [int(t) for t in out[s, : count[s]]]
-                r.ahead -= self._emits(item.spec)
+                r.inflight -= 1
                 h = hist[s] if self.spec else None
                 self._guarded(
                     "streaming",

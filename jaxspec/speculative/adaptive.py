@@ -20,13 +20,7 @@ pooled per depth (an approximation when their widths differ). Speculation stops 
 steps are expected to be MARGIN faster than the best shape (estimates are noisy, and while
 speculation is off a request's acceptance is not observed). While another candidate than the
 configured shape runs, the configured shape is tried again for one block after EXPLORE_MIN blocks,
-an interval that doubles (up to EXPLORE_MAX) each time the trial confirms the choice. Sooner than
-EXPLORE_MAX blocks, the trial runs only if it could plausibly win: if the configured shape beats
-the current choice with each depth's acceptance at its upper confidence bound (OPTIMISM standard
-errors above its estimate, from the rounds the estimate is worth). So where speculation cannot pay
-at any plausible acceptance (a sampled request whose draft rarely agrees, a large batch whose
-round costs several steps) it is tried only every EXPLORE_MAX blocks, which keeps the prior from
-going stale.
+an interval that doubles (up to EXPLORE_MAX) each time the trial confirms the choice.
 """
 
 from __future__ import annotations
@@ -48,7 +42,6 @@ PRIOR_DECAY = 0.98  # per block: the prior follows the last few hundred rounds
 COST_SAMPLES = 8  # a round's cost is the median of the last this many blocks' (once there are 2)
 MARGIN = 0.05  # speculation stops only when plain steps are expected to be this much faster
 EXPLORE_MIN, EXPLORE_MAX = 4, 64
-OPTIMISM = 2.0  # standard errors above the acceptance estimate at which a look again must be able to pay
 OFF = "off"
 
 
@@ -96,21 +89,14 @@ class Adaptive:
         """Acceptance counts [n, 2, D] of requests that have run no round."""
         return np.zeros((n, 2, self.spec.num_steps))
 
-    def expected_tokens(
-        self, acc: np.ndarray, greedy: np.ndarray, spec: SpecConfig | None = None, optimism: float = 0.0
-    ) -> np.ndarray:
+    def expected_tokens(self, acc: np.ndarray, greedy: np.ndarray, spec: SpecConfig | None = None) -> np.ndarray:
         """acc [R, 2, D] per-request acceptance counts, greedy [R] bool -> E[tokens per round] [R]
-        of the tree shape `spec` (default: the configured one). optimism: each depth's acceptance
-        taken this many standard errors above its estimate (the estimate is worth its own rounds
-        plus PRIOR_ROUNDS), capped at 1."""
+        of the tree shape `spec` (default: the configured one)."""
         spec = self.spec if spec is None else spec
         start = np.stack([np.ones(self.spec.num_steps), np.full(self.spec.num_steps, 0.5)])  # none seen yet
         prior = np.stack([self.prior.get(bool(g), start) for g in greedy])  # [R, 2, D]
         cond0 = np.where(prior[:, 0] > 0, prior[:, 1] / np.maximum(prior[:, 0], 1e-9), 0.5)
-        n = acc[:, 0] + PRIOR_ROUNDS
-        cond = (acc[:, 1] + PRIOR_ROUNDS * cond0) / n
-        if optimism:
-            cond = np.minimum(cond + optimism * np.sqrt(cond * (1 - cond) / n), 1.0)
+        cond = (acc[:, 1] + PRIOR_ROUNDS * cond0) / (acc[:, 0] + PRIOR_ROUNDS)
         return 1.0 + np.cumprod(cond, -1)[:, : spec.num_steps].sum(-1)
 
     def choose(
@@ -127,8 +113,8 @@ class Adaptive:
             if len(self.cost.get((shape_label(c), batch), [])) < 2:
                 return c
 
-        def rate(c, optimism=0.0):
-            tokens = len(acc) if c is None else self.expected_tokens(acc, greedy, c, optimism).sum()
+        def rate(c):
+            tokens = len(acc) if c is None else self.expected_tokens(acc, greedy, c).sum()
             return (tokens + n_plain) / self.round_cost(c, batch)
 
         best = max([c for c in cands if c is not None], key=rate)
@@ -140,9 +126,7 @@ class Adaptive:
             self.since_explore, self.explore_gap = 0, EXPLORE_MIN
             return self.spec
         self.since_explore += 1
-        # look again at every depth of the requests' acceptance, if it could plausibly pay
-        due = self.since_explore > self.explore_gap
-        if due and (self.since_explore > EXPLORE_MAX or rate(self.spec, OPTIMISM) > rate(pick)):
+        if self.since_explore > self.explore_gap:  # look again at every depth of the requests' acceptance
             self.since_explore, self.exploring = 0, True
             return self.spec
         return pick
