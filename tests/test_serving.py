@@ -51,7 +51,8 @@ def engine(models, algo=None, draft=None, **kw):
         )
         if draft:
             spec["speculative_draft_model_path"] = models[draft]
-    return Engine(models["target"], skip_tokenizer_init=True, show_progress=False, chunked_prefill_size=4, **spec, **kw)
+    kw = {"chunked_prefill_size": 4, **kw}
+    return Engine(models["target"], skip_tokenizer_init=True, show_progress=False, **spec, **kw)
 
 
 def serve(eng, prompts, params, speculative=None, slots=2, **kw):
@@ -219,17 +220,8 @@ def test_burst_admitted_a_prefill_budget_at_a_time(models, reference):
     four 64-token chunks, three short prompts all get their first token in the same iteration
     (admitted as groups of two and one), and with a budget of one chunk only the first group does.
     Outputs stay token-identical."""
-    kw = dict(
-        skip_tokenizer_init=True,
-        show_progress=False,
-        speculative_algorithm="EAGLE3",
-        speculative_draft_model_path=models["eagle3"],
-        speculative_num_steps=3,
-        speculative_eagle_topk=2,
-        speculative_num_draft_tokens=6,
-    )
     for budget, started in [(256, 3), (64, 2)]:
-        sched = Scheduler(Engine(models["target"], chunked_prefill_size=budget, **kw), max_running_requests=4)
+        sched = Scheduler(engine(models, "EAGLE3", "eagle3", chunked_prefill_size=budget), max_running_requests=4)
         res = {}
         reqs = [
             Request(
