@@ -286,6 +286,11 @@ class ServerArgs:
     disable_cuda_graph: bool = flag(
         False, "compile nothing ahead: each program shape compiles on first use (a request may wait for it)"
     )
+    disable_radix_cache: bool = flag(
+        False,
+        "turn prefix caching off: every prompt is prefilled in full (on: the KV of earlier requests' prompts "
+        "and outputs is kept in free slots and reused by requests sharing a prefix)",
+    )
     disable_background_compile: bool = flag(
         False, "compile only the start-up programs; shapes they do not cover exactly compile on first use"
     )

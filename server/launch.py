@@ -37,6 +37,7 @@ def build(args, progress: bool = True):
         server.max_queued_requests,
         server.num_continuous_decode_steps,
         overlap=not server.disable_overlap_schedule,
+        prefix_cache=not server.disable_radix_cache,
     )
     if not server.disable_cuda_graph:
         t = time.perf_counter()

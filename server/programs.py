@@ -1,9 +1,11 @@
 """The server's compiled device programs, by shape, compiled ahead of time, and the rule that picks one.
 
-The scheduler runs three programs (jaxspec/serving.py), each specialised on a few static sizes:
+The scheduler runs four programs (jaxspec/serving.py), each specialised on a few static sizes:
 
   ("chunk", n, C, span)     admit_chunk: one prefill chunk of C tokens for n new requests
   ("finish", n)             admit_finish: their first tokens (its draft extension reads every column)
+  ("copy", span)            copy_prefix: a cached prompt prefix's KV columns [0, span) into a new
+                            request's slot (prefix caching)
   ("dispatch", n_act, span, sampled, shape, logprobs)
                             dispatch: k rounds for slots [0, n_act); sampled=False is a
                             greedy-only program (no sampler), True serves any mix; shape: the
@@ -46,7 +48,7 @@ from tqdm.auto import tqdm
 from jaxspec.cache import KVCache
 from jaxspec.requests import bucket
 from jaxspec.sampling import SamplingParams, SamplingTensors
-from jaxspec.serving import admit_chunk, admit_finish, dispatch
+from jaxspec.serving import admit_chunk, admit_finish, copy_prefix, dispatch
 
 logger = logging.getLogger("jaxspec.server")
 
@@ -164,11 +166,16 @@ class Programs:
     def startup_keys(self, max_bs: int) -> list[tuple]:
         """The cover set: every prompt length's prefill exactly (for one request at a time),
         decoding exactly at short spans for batch sizes up to max_bs, every other decoding shape
-        through the largest programs (n_act = 1 or slots, span = max_len)."""
+        through the largest programs (n_act = 1 or slots, span = max_len). With prefix caching,
+        also the smallest chunk at every span (the uncached tail of a prompt whose prefix is
+        cached: a second turn, a shared system prompt) and the prefix copies."""
         s = self.sched
         spans = self.spans()
         short = [x for x in spans if x <= 512] or spans[:1]
         keys = [("finish", 1)] + [("chunk", 1, self.chunk_for(x), x) for x in spans]
+        if s.prefix_cache:
+            keys += [("chunk", 1, self.chunk_sizes()[0], x) for x in spans]
+            keys += [("copy", x) for x in spans]
         main = s.main_shape
         for n in self.sizes(max_bs):
             keys += [("dispatch", n, x, True, main, False) for x in short]
@@ -238,6 +245,8 @@ class Programs:
                 sampled=sampled,
                 logprobs=logprobs,
             )
+        if key[0] == "copy":
+            return copy_prefix.lower(self._batch_spec, sds((), i32), sds((), i32), sds((), i32), span=key[1])
         if key[0] == "chunk":
             _, n, c, span = key
             return admit_chunk.lower(
@@ -308,9 +317,13 @@ class Programs:
                 [SamplingParams(temperature=1.0)] + [SamplingParams(temperature=0.0)] * (n - 1), [0] * n
             )
 
-        if key[0] == "chunk":
+        if key[0] == "copy":
+            s.forget([0], 0)
+            s.batch = prog(s.batch, jnp.int32(0), jnp.int32(0), jnp.int32(0))
+        elif key[0] == "chunk":
             _, n, c, span = key
             start = max(min(span, s.max_len) - c, 0)
+            s.forget(range(n), start)
             s.batch = prog(
                 eng.params,
                 eng.dparams,
@@ -323,6 +336,7 @@ class Programs:
             )
         elif key[0] == "finish":
             _, n = key
+            s.forget(range(n), 0)
             s.batch, _ = prog(
                 eng.params,
                 eng.dparams,
@@ -336,6 +350,7 @@ class Programs:
             )
         else:  # slots [0, n_act) decode k rounds from one committed column, with no stop in sight
             n = key[1]
+            s.forget(range(n), 0)
             b = s.batch
             fresh = lambda x: dataclasses.replace(x, lengths=x.lengths.at[:n].set(1)) if isinstance(x, KVCache) else x
             core = jax.tree_util.tree_map(fresh, b.core, is_leaf=lambda x: isinstance(x, KVCache))
@@ -442,19 +457,27 @@ class Programs:
     def finish_sizes(self) -> list[int]:
         return sorted(k[1] for k in self._have() if k[0] == "finish")
 
-    def prefill_plan(self, n: int, length: int, exact: bool = False) -> tuple[int, list[tuple]] | None:
-        """(C, chunk keys) to prefill n prompts of at most `length` tokens, or None if no compiled
-        programs do it. Prefers the ideal chunk (the prompt's power of two, at most the prefill
-        chunk size) and the smallest spans. exact: the ideal shapes, compiled or not."""
+    def prefill_plan(
+        self, n: int, length: int, exact: bool = False, start: int = 0
+    ) -> tuple[int, int, list[tuple]] | None:
+        """(C, first position, chunk keys) to prefill positions [start, length) of n prompts of at
+        most `length` tokens (those before `start` are cached), or None if no compiled programs do
+        it. The chunks start at `start` and the last is padded past `length`, unless that would
+        run past the KV region (then they start earlier, recomputing a few cached positions).
+        Prefers the ideal chunk (the power of two of the positions left, at most the prefill chunk
+        size), then the smaller chunks, and the smallest spans. exact: the ideal shapes, compiled
+        or not."""
         s = self.sched
         sizes = self.chunk_sizes()
-        ideal = min(sizes[-1], max(sizes[0], bucket(length)))
+        ideal = min(sizes[-1], max(sizes[0], bucket(length - start)))
         have = {k for k in self._have() if k[0] == "chunk" and k[1] == n}
         options = [ideal] + [c for c in sorted({k[2] for k in have}) if c != ideal]
         for c in options:
+            count = -(-(length - start) // c)
+            first = max(0, min(start, s.max_len - count * c))
             keys = []
-            for i in range(-(-length // c)):
-                need = s._span(i * c + c)
+            for i in range(count):
+                need = s._span(first + i * c + c)
                 cands = [k for k in have if k[2] == c and k[3] >= need]
                 if self.lazy or exact:
                     cands = [("chunk", n, c, need)]
@@ -462,5 +485,5 @@ class Programs:
                     break
                 keys.append(min(cands, key=lambda k: k[3]))
             else:
-                return c, keys
+                return c, first, keys
         return None

@@ -1,7 +1,8 @@
 """Continuous batching on the host: a bounded wait queue, slot allocation, streaming, cancellation.
 
 One scheduler thread owns the device state (jaxspec/serving.py `SlotBatch`) and loops:
-  admit     waiting requests take the lowest free slots, in power-of-two groups
+  admit     waiting requests take free slots (the lowest, or one holding their prompt's prefix),
+            in power-of-two groups; a cached prefix is reused (prefix caching, below)
   prefill   prompt chunks up to --chunked-prefill-size tokens per iteration while others decode
             (all of a group's chunks when nothing decodes), then each group's first tokens
   dispatch  k rounds for the decoding slots (one compiled program); every other slot is stopped.
@@ -11,6 +12,17 @@ With overlap on (the default), dispatch i + 1 is enqueued before dispatch i's re
 so host work (detokenizing, streaming, admitting) runs while the device computes (JAX async
 dispatch; SGLang's overlap scheduler). Requests talk to the thread through `Request.emit`, a
 callback the HTTP layer points at its asyncio queue.
+
+Prefix caching (on unless --disable-radix-cache): a finished request's slot keeps its KV (target
+and draft) while free, and the host remembers which tokens it holds. A new request reuses the
+longest prefix of its prompt held by a free slot or by a decoding request's prompt: it takes that
+free slot as it is, or the prefix's KV columns are copied into its own slot (one device copy,
+`copy_prefix`), and only the rest of the prompt is prefilled. A request whose prompt shares a
+longer prefix with one still being prefilled waits for it, so that concurrent requests with a
+common system prompt compute it once. Free slots are the cache: a slot is evicted (least recently
+used first) when a request needs it, so the cache never fails or delays a request. Why copies
+into contiguous slots rather than paged KV: both attention backends read one contiguous region
+per slot, and a copy of a prefix costs far less than prefilling it (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -38,6 +51,7 @@ from jaxspec.requests import (
     bucket,
     check_prompt,
     check_stop_token_ids,
+    common_prefix,
     draft_prompt,
     finish_reason,
     logprob_rows,
@@ -69,6 +83,7 @@ class Request:
     rid: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     # filled by the scheduler
     max_new: int = 0
+    cached_tokens: int = 0  # prompt tokens not prefilled: their KV came from the prefix cache
     out_ids: list[int] = dataclasses.field(default_factory=list)
     # with top_logprobs: per output token (logprob, [(token id, logprob)] of the top alternatives)
     out_lps: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
@@ -87,6 +102,7 @@ class Request:
     inflight: int = 0  # dispatches enqueued for this request whose results are not processed yet
     # stop token ids (EOS, stop_token_ids, 1-token stop strings)
     _stops: list[int] = dataclasses.field(default_factory=list)
+    _reuse: int = 0  # at admission: prompt positions whose KV its slot holds (or will, once copied)
 
     @property
     def text(self) -> str:
@@ -109,6 +125,7 @@ class PrefillGroup:
     keys: list[tuple]  # the compiled program of each chunk (server/programs.py)
     prompt: np.ndarray  # [len(reqs), len(keys) * chunk] int32, zero-padded
     dprompt: np.ndarray  # the draft's prompt (shifted)
+    start: int = 0  # the first chunk's position (positions before it are cached)
     next: int = 0  # the next chunk to run
 
     @property
@@ -144,6 +161,8 @@ class Stats:
     failed: int = 0  # requests ended by an internal error (the server kept running)
     recoveries: int = 0  # times the device state was lost and re-created
     prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens prefilled (not cached; padding not counted)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     generation_tokens: int = 0
     spec_tokens: int = 0  # tokens of finished speculative requests
     spec_verify_ct: int = 0  # their rounds
@@ -169,8 +188,15 @@ class Scheduler:
         decode_steps: int | None = None,
         overlap: bool = True,
         min_span: int | None = None,
+        prefix_cache: bool = True,
     ):
         self.eng = eng
+        self.prefix_cache = prefix_cache
+        # free slot -> the tokens whose KV (target and draft) it holds, and when it was last used
+        self.cached: dict[int, np.ndarray] = {}
+        self._used: dict[int, float] = {}
+        # the shortest prefix worth a copy (or a wait for a prompt being prefilled): one small chunk
+        self.min_reuse = min(64, eng.chunked_prefill_size)
         self.spec = eng.spec if eng.spec.enabled else None
         self.prop = eng.proposer if self.spec else None
         # adaptive speculation: per dispatch, the tree shape or plain steps (its own cost table:
@@ -433,6 +459,8 @@ class Scheduler:
                 self._prefilling.clear()
                 self._pending.clear()
             self.batch = None
+            with self.lock:
+                self.cached.clear()
             self.batch = self._new_batch(self.slots)
             with self.lock:
                 self.stats.recoveries += 1
@@ -464,38 +492,146 @@ class Scheduler:
             self.step()
 
     def _admit(self) -> None:
-        """Waiting requests take the lowest free slots, in power-of-two groups (each group size
-        compiles once); their prompts are prefilled chunk by chunk by `_prefill`."""
+        """Waiting requests take free slots (`_pick_slot`), reusing cached prefixes (the module
+        docstring), in power-of-two groups (each group size compiles once); their prompts are
+        prefilled chunk by chunk by `_prefill`."""
+        copies: list[tuple[Request | None, int, int, int]] = []  # (request or None: a move, src, dst, columns)
         with self.lock:
             free = [s for s in range(self.slots) if s not in self.busy]
-            take = min(len(free), len(self.waiting))
-            if take == 0:
+            if not free or not self.waiting:
                 return
-            reqs = [self.waiting.popleft() for _ in range(take)]
-            for s, r in zip(free, reqs):
-                r.slot = s
-                self.busy[s] = r
+            # prompts whose KV is being computed (a later request sharing their prefix waits for it)
+            pending = [np.asarray(r.ids) for g in self._prefilling for r in g.reqs] if self.prefix_cache else []
+            shift = self.prop.shift if self.prop is not None else 0
+            reqs = []
+            # the first few waiting requests only: the scan runs every iteration, and a long queue
+            # would make it slow (those behind wait no longer than the prefills in progress)
+            for r in list(itertools.islice(self.waiting, 4 * self.slots)):
+                if not free:
+                    break
+                ids = np.asarray(r.ids)
+                src, m = self._lookup(ids)
+                if any(common_prefix(ids, p) >= m + self.min_reuse for p in pending):
+                    continue
+                self.waiting.remove(r)
+                slot = self._pick_slot(free, src)
+                free.remove(slot)
+                r.slot = slot
+                self.busy[slot] = r
+                if src is not None:
+                    self._used[src] = time.perf_counter()
+                # the draft's entry p holds token p + shift: the last `shift` cached positions are recomputed
+                r._reuse = max(m - shift, 0) if src == slot or m - shift >= self.min_reuse else 0
+                old = self.cached.pop(slot, None)
+                if old is not None and src != slot:  # (reused in place, its tail is superseded)
+                    to = self._evict_for(old, self._used.get(slot, 0.0), free)  # keep it, in a less useful slot
+                    if to is not None:
+                        copies.append((None, slot, to, len(old)))
+                if r._reuse and src != slot:
+                    copies.append((r, src, slot, r._reuse))
+                pending.append(ids)
+                reqs.append(r)
+        for r, src, dst, cols in copies:  # in order: a slot is read before it is overwritten
+            who = [] if r is None else [r]
+            if not self._guarded("copying a cached prefix", who, lambda a=(src, dst, cols): self._copy(*a)):
+                if r is None:
+                    self.forget([dst], 0)
+                elif r in reqs:
+                    reqs.remove(r)
+        # groups of requests reusing a cached prefix prefill from there: they are not mixed with the others
+        for part in ([r for r in reqs if not r._reuse], [r for r in reqs if r._reuse]):
+            while part:
+                n = 1 << (len(part).bit_length() - 1)
+                if not self.programs.lazy:  # the largest group whose programs are compiled (n = 1 always is)
+                    while n > 1 and not self._can_group(part[:n]):
+                        n //= 2
+                self._prefilling.append(self._new_group(part[:n]))
+                part = part[n:]
+
+    def _can_group(self, reqs: list[Request]) -> bool:
         progs = self.programs
-        while reqs:
-            n = 1 << (len(reqs).bit_length() - 1)
-            if not progs.lazy:  # the largest group whose programs are compiled (n = 1 always is)
-                sizes = progs.finish_sizes()
-                while n > 1 and (n not in sizes or progs.prefill_plan(n, max(len(r.ids) for r in reqs[:n])) is None):
-                    n //= 2
-            self._prefilling.append(self._new_group(reqs[:n]))
-            reqs = reqs[n:]
+        length, start = max(len(r.ids) for r in reqs), min(r._reuse for r in reqs)
+        return len(reqs) in progs.finish_sizes() and progs.prefill_plan(len(reqs), length, start=start) is not None
+
+    def _lookup(self, ids: np.ndarray) -> tuple[int | None, int]:
+        """(lock held) The slot holding the longest prefix of the prompt `ids` [L] and its length
+        (at most L - 1: the last prompt token is always prefilled, for its logits), or (None, 0).
+        Free slots hold what `cached` says; decoding slots their prompt."""
+        if not self.prefix_cache:
+            return None, 0
+        held = list(self.cached.items())
+        held += [(s, np.asarray(r.ids)) for s, r in self.busy.items() if r.decoding and not r.cancelled]
+        best, src = 0, None
+        for s, toks in held:
+            m = common_prefix(ids, toks)
+            if m > best:
+                best, src = m, s
+        return src, min(best, len(ids) - 1)
+
+    def _pick_slot(self, free: list[int], src: int | None) -> int:
+        """(lock held) The free slot a new request takes: the one keeping dispatches smallest (they
+        cover slots [0, n_act), n_act a power of two above the highest busy slot), then the slot
+        holding its prefix (no copy), then one holding nothing, then the least recently used."""
+        top = max(self.busy, default=-1)
+        return min(
+            free,
+            key=lambda s: (bucket(max(top, s) + 1), s != src, s in self.cached, self._used.get(s, 0.0), s),
+        )
+
+    def _evict_for(self, toks: np.ndarray, used: float, free: list[int]) -> int | None:
+        """(lock held) A free slot to move the cached prefix `toks` (last used at `used`) to, when
+        its own slot is taken by a request that does not reuse it: one holding nothing,
+        else the least recently used if it was used before `toks`; the highest first (the lowest
+        are taken first). Marks it as holding `toks`. None: no such slot, or too short a prefix to
+        be worth a copy (then it is evicted)."""
+        if len(toks) < self.min_reuse or not free:
+            return None
+        to = min(free, key=lambda s: (s in self.cached, self._used.get(s, 0.0), -s))
+        if to in self.cached and self._used.get(to, 0.0) >= used:
+            return None
+        self.cached[to], self._used[to] = toks, used
+        return to
+
+    def _copy(self, src: int, dst: int, columns: int) -> None:
+        """The KV of the first `columns` positions of slot src into slot dst (copy_prefix)."""
+        prog = self.programs.get(("copy", self._span(columns)))
+        self._seq += 1
+        self.batch = prog(self.batch, jnp.int32(src), jnp.int32(dst), jnp.int32(columns))
+
+    def forget(self, rows, col: int) -> None:
+        """The slots `rows` are overwritten from column `col` on (a program run on free slots):
+        their cached prefixes are cut before it (one more column: the draft's entries are shifted)."""
+        with self.lock:
+            for s in rows:
+                if s in self.cached:
+                    self.cached[s] = self.cached[s][: max(col - 1, 0)]
+                    if not len(self.cached[s]):
+                        del self.cached[s]
+
+    def flush_cache(self) -> int:
+        """Forgets every cached prefix (free slots; running requests keep theirs). Returns how many slots held one."""
+        with self.lock:
+            n = len(self.cached)
+            self.cached.clear()
+        return n
 
     def _new_group(self, reqs: list[Request]) -> PrefillGroup:
-        length = max(len(r.ids) for r in reqs)
-        plan = self.programs.prefill_plan(len(reqs), length)
+        length, start = max(len(r.ids) for r in reqs), min(r._reuse for r in reqs)
+        plan = self.programs.prefill_plan(len(reqs), length, start=start)
         if plan is None:  # nothing compiled covers it: the ideal shapes, compiled at first use
-            plan = self.programs.prefill_plan(len(reqs), length, exact=True)
-        chunk, keys = plan
-        prompt = np.zeros((len(reqs), len(keys) * chunk), np.int32)
+            plan = self.programs.prefill_plan(len(reqs), length, exact=True, start=start)
+        assert plan is not None
+        chunk, first, keys = plan
+        prompt = np.zeros((len(reqs), first + len(keys) * chunk), np.int32)
         for i, r in enumerate(reqs):
             prompt[i, : len(r.ids)] = r.ids
         dprompt = draft_prompt(prompt, self.prop.shift if self.prop is not None else 0)
-        return PrefillGroup(reqs, chunk, list(keys), prompt, dprompt)
+        with self.lock:
+            for r in reqs:
+                r.cached_tokens = first
+                self.stats.cached_tokens += first
+                self.stats.prefill_tokens += len(r.ids) - first
+        return PrefillGroup(reqs, chunk, list(keys), prompt[:, first:], dprompt[:, first:], start=first)
 
     def _prefill(self, interleave: bool) -> None:
         """Runs prefill chunks, group after group, until --chunked-prefill-size prompt tokens (padding
@@ -533,7 +669,7 @@ class Scheduler:
             rows,
             jnp.asarray(g.prompt[:, sl]),
             jnp.asarray(g.dprompt[:, sl]),
-            jnp.int32(c * chunk),
+            jnp.int32(g.start + c * chunk),
             jnp.asarray([len(r.ids) for r in g.reqs], jnp.int32),
         )
         g.next += 1
@@ -770,6 +906,13 @@ class Scheduler:
                 st.spec_verify_ct += r.verify_ct
         if self.prop is not None and self.spec.algorithm == "NGRAM" and reason["type"] != "abort":
             self._ngram_add(r)
+        if self.prefix_cache and reason["type"] != "abort" and r.decoding and r.slot not in self.busy:
+            # its slot keeps the KV of all but the last two tokens: the last one's was never written,
+            # and the draft's entry for the one before may not have been either
+            toks = np.asarray(list(r.ids) + list(r.out_ids), np.int32)[:-2]
+            if len(toks):
+                self.cached[r.slot] = toks
+                self._used[r.slot] = time.perf_counter()
         r.send({"type": "done", "result": self.result(r, reason)})
 
     def _ngram_add(self, r: Request) -> None:
@@ -788,6 +931,7 @@ class Scheduler:
             r.hist if spec else None,
             ttft=None if r.t_first is None else r.t_first - r.t_arrival,
             speculative=spec,
+            cached_tokens=r.cached_tokens,
             **({"spec_shapes": self._shapes(r)} if spec and self.adaptive is not None else {}),
             **(output_logprobs(r.out_ids, r.out_lps) if r.top_logprobs is not None else {}),
         )
@@ -819,6 +963,7 @@ def warmup(sched: Scheduler, max_bs: int, progress: bool = True, background: boo
     sched.run_until_idle()
     with sched.lock:  # warm-up requests do not count
         sched.stats = Stats()
+    sched.flush_cache()
     if background:
         sched.programs.start_background()
     return n

@@ -55,6 +55,7 @@ SGLANG_SERVER = (
     "disable_overlap_schedule",
     "cuda_graph_max_bs",
     "disable_cuda_graph",
+    "disable_radix_cache",
 )
 SGLANG_MODEL = (
     "model_path",

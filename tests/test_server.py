@@ -369,6 +369,30 @@ def test_metrics_and_server_info(spec_server):
     assert "api_key" not in info
 
 
+def test_prefix_cache_over_http(spec_server):
+    """A repeated long prompt is served from the prefix cache (usage.prompt_tokens_details and
+    meta_info report it, /metrics counts it) with the same greedy answer; /flush_cache forgets it."""
+    system = "You are a careful assistant. " * 16  # about 100 tokens: more than one 64-token chunk
+    body = {"model": "default", "messages": [{"role": "system", "content": system}, *CHAT], **GREEDY}
+    spec_server.request("GET", "/flush_cache")
+    first, second = (spec_server.request("POST", "/v1/chat/completions", body)[1] for _ in range(2))
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    prompt = second["usage"]["prompt_tokens"]
+    assert prompt > 100 and prompt - 64 <= second["usage"]["prompt_tokens_details"]["cached_tokens"] < prompt
+    assert second["choices"][0]["message"] == first["choices"][0]["message"]
+    _, text, _ = spec_server.request("GET", "/metrics")
+    vals = {ln.split("{")[0]: float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("jaxspec:")}
+    assert vals["jaxspec:cached_tokens_total"] >= prompt - 64 and 0 < vals["jaxspec:cache_hit_rate"] < 1
+    st, msg, _ = spec_server.request("POST", "/flush_cache")
+    assert st == 200 and "flushed" in msg
+    _, third, _ = spec_server.request("POST", "/v1/chat/completions", body)
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    gen = {"text": system, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    _, g1, _ = spec_server.request("POST", "/generate", gen)
+    _, g2, _ = spec_server.request("POST", "/generate", gen)
+    assert g1["meta_info"]["cached_tokens"] == 0 and g2["meta_info"]["cached_tokens"] > 0
+
+
 def test_plain_server_and_overlap_off(model_dirs):  # noqa: F811
     """NONE + overlap off: same greedy tokens as the offline engine."""
     from jaxspec.engine import Engine

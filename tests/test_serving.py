@@ -258,3 +258,85 @@ def test_opted_out_sampling_matches_target_distribution(models):
         assert not r["meta_info"]["speculative"]
         counts[r["output_ids"][1], r["output_ids"][2]] += 1
     assert chi2_pvalue(counts, probs) > 1e-3
+
+
+A = [5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3]
+B = [2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
+SHARED = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9]
+# each step's prompts are submitted together and run until idle; a function builds a prompt from
+# the outputs so far (a second turn: the first turn's prompt and answer, then a new message)
+SCRIPT = [
+    [A],
+    [B],
+    [lambda out: A + out[0] + [7, 7]],
+    [lambda out: B + out[1][:8] + [8]],
+    [SHARED + [j + 1, 2] for j in range(4)],
+]
+
+
+def run_script(sched, script=SCRIPT):
+    """The results of `script`'s requests, in order."""
+    res: list[dict] = []
+    for step in script:
+        start = len(res)
+        res += [{}] * len(step)
+        for j, p in enumerate(step):
+            sched.submit(
+                Request(
+                    ids=p([r["output_ids"] for r in res[:start]]) if callable(p) else p,
+                    params=SamplingParams.from_dict(dict(GREEDY, max_new_tokens=12)),
+                    emit=lambda e, i=start + j, res=res: (
+                        res.__setitem__(i, e["result"]) if e["type"] == "done" else None
+                    ),
+                )
+            )
+        sched.run_until_idle()
+    return res
+
+
+@pytest.mark.parametrize("algo,draft", [(None, None), ("EAGLE3", "eagle3"), ("NGRAM", None)])
+def test_prefix_cache_identical_outputs_less_prefill(models, algo, draft):
+    """Prefix caching against the same requests with the cache off: second turns of two
+    conversations taking turns (the first conversation's slot is taken by the second's first turn,
+    so its cache is moved to another free slot, not dropped) and four concurrent requests sharing a
+    prefix (the first prefills it, the others wait for it and copy its KV). Outputs and the number
+    of verification rounds are identical (the draft's cache is reused as well as the target's);
+    the cached tokens are what the prefixes allow; prefill does less work."""
+    runs = {}
+    for cache in (True, False):  # an engine each: NGRAM's corpus learns from every request
+        sched = Scheduler(engine(models, algo, draft), max_running_requests=4, prefix_cache=cache)
+        sched.min_reuse = 4
+        runs[cache] = (run_script(sched), sched.stats)
+    (on, st_on), (off, st_off) = runs[True], runs[False]
+    assert [r["output_ids"] for r in on] == [r["output_ids"] for r in off]
+    if algo != "NGRAM":  # NGRAM's rounds depend on which requests finished first (its corpus learns from them)
+        assert [r["meta_info"]["spec_verify_ct"] for r in on] == [r["meta_info"]["spec_verify_ct"] for r in off]
+    assert all(r["meta_info"]["cached_tokens"] == 0 for r in off)
+    cached = [r["meta_info"]["cached_tokens"] for r in on]
+    shift = 1 if algo == "EAGLE3" else 0
+    # a second turn reuses its first turn's prompt and answer but the last two tokens (B's second
+    # turn keeps only 8 of 12), the requests sharing a prefix all of it; all but the draft's shift
+    assert cached[2:4] == [len(A) + 12 - 2 - shift, len(B) + 8 - shift], cached
+    assert cached[:2] == [0, 0] and cached[4] == 0
+    assert cached[5:] == [len(SHARED) - shift] * 3, cached
+    assert st_on.cached_tokens == sum(cached) and st_off.cached_tokens == 0
+    assert st_on.prefill_tokens + st_on.cached_tokens == st_off.prefill_tokens
+    assert st_on.prefill_tokens < 0.6 * st_off.prefill_tokens
+
+
+def test_prefix_cache_survives_exercise_and_flush(models):
+    """A program run on free slots (a fresh background compile's first run) cuts the cached
+    prefixes of the slots it overwrites; /flush_cache forgets them all; a request in a slot whose
+    cache was cut is still served correctly."""
+    eng = engine(models, "EAGLE3", "eagle3")
+    sched = Scheduler(eng, max_running_requests=2)
+    sched.min_reuse = 4
+    first = run_script(sched, SCRIPT[:1])
+    assert set(sched.cached) == {0} and len(sched.cached[0]) == len(A) + 12 - 2
+    sched.forget([0], 6)
+    assert len(sched.cached[0]) == 5
+    again = run_script(sched, [[A]])
+    assert again[0]["output_ids"] == first[0]["output_ids"] and again[0]["meta_info"]["cached_tokens"] <= 4
+    assert sched.flush_cache() == 1 and not sched.cached
+    third = run_script(sched, [[A]])
+    assert third[0]["output_ids"] == first[0]["output_ids"] and third[0]["meta_info"]["cached_tokens"] == 0

@@ -126,6 +126,7 @@ def test_server_matches_offline_and_keeps_its_programs(tiny):
     shape, shard = tiny["server_kv"]
     assert shard == [shape[0], shape[1], 2, 8]  # 4 KV heads / 2
     assert tiny["server_recompiles"] == 0
+    assert tiny["server_shared"] == tiny["server_shared_off"] and tiny["server_shared_cached"] >= 8
 
 
 def test_two_hosts(tiny):
@@ -283,9 +284,9 @@ def _tiny_checks(d: str) -> dict:
         )
     )
 
-    def serve(sched):
+    def serve(sched, prompts=PROMPTS):
         got = {}
-        for i, ids in enumerate(PROMPTS):
+        for i, ids in enumerate(prompts):
             sched.submit(
                 Request(
                     ids=ids,
@@ -294,7 +295,7 @@ def _tiny_checks(d: str) -> dict:
                 )
             )
         sched.run_until_idle()
-        return [got[i] for i in range(len(PROMPTS))]
+        return [got[i] for i in range(len(prompts))]
 
     sched = Scheduler(engine("EAGLE3", 2), max_running_requests=2)
     serve(sched)
@@ -303,6 +304,12 @@ def _tiny_checks(d: str) -> dict:
     res["server_recompiles"] = len(compiles) - n
     k = sched.batch.core.cache.k[0]
     res["server_kv"] = [list(k.shape), list(k.sharding.shard_shape(k.shape))]
+    # prefix caching under tensor parallelism: a prefix copied from another slot (split KV buffers)
+    shared = [PROMPTS[0] + [1, 2], PROMPTS[0][:9] + [3, 3]]
+    before = sched.stats.cached_tokens
+    res["server_shared"] = serve(sched, shared)
+    res["server_shared_cached"] = sched.stats.cached_tokens - before
+    res["server_shared_off"] = serve(Scheduler(engine("EAGLE3", 2), max_running_requests=2, prefix_cache=False), shared)
 
     from jaxspec import attention
 
