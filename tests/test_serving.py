@@ -178,7 +178,8 @@ def test_long_prefill_interleaves_with_decoding(models):
     eng = engine(models, "EAGLE3", "eagle3", context_length=200)  # chunked_prefill_size 4: 38 chunks
     long_prompt = [int(x) for x in np.random.default_rng(1).integers(0, V, 150)]
     ref = [r["output_ids"] for r in eng.generate(input_ids=[PROMPTS[1], long_prompt], sampling_params=GREEDY)]
-    sched = Scheduler(eng, max_running_requests=2)
+    # no prefix cache: the long prompt comes twice, and the second must be prefilled chunk by chunk too
+    sched = Scheduler(eng, max_running_requests=2, prefix_cache=False)
     order, res = [], {}
 
     def emit(name):
