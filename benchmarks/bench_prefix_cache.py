@@ -17,7 +17,6 @@ adaptive speculation, greedy):
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import sys
@@ -25,7 +24,7 @@ import threading
 import time
 
 import numpy as np
-from bench_serve import free_port, metric_values, start_server, wait_background
+from bench_serve import free_port, metric_values, start_server, stream_chat, wait_background
 from common import machine
 
 from jaxspec.bench import mtbench_questions
@@ -43,24 +42,14 @@ def chat(port, messages, max_tokens, temperature=0.0, n=1):
         "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
-    c.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
-    r = c.getresponse()
-    if r.status != 200:
-        raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]}")
     ttft, texts, usage = None, [""] * n, {}
-    for line in r:
-        line = line.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        ev = json.loads(line[6:])
+    for ev in stream_chat(port, body, timeout=900):
         for ch in ev.get("choices", []):
             piece = ch.get("delta", {}).get("content")
             if piece:
                 ttft = ttft if ttft is not None else time.perf_counter() - t0
                 texts[ch["index"]] += piece
         usage = ev.get("usage") or usage
-    c.close()
     return ttft, time.perf_counter() - t0, texts, usage
 
 

@@ -125,6 +125,22 @@ def wait_background(ports, timeout: float) -> float:
     return time.time() - t
 
 
+def stream_chat(port, body: dict, timeout: float = 600):
+    """Sends a streaming chat completion; yields each SSE event (a dict) as it arrives."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]}")
+    try:
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+    finally:
+        c.close()
+
+
 def one_request(port, question, args, temperature):
     body = {
         "model": "default",
@@ -135,19 +151,10 @@ def one_request(port, question, args, temperature):
         "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    c.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
-    r = c.getresponse()
-    if r.status != 200:
-        raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]}")
     ttft = last = None
     gaps = []  # seconds between consecutive content chunks: how smooth the stream is
     tokens = verify = 0
-    for line in r:
-        line = line.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        ev = json.loads(line[6:])
+    for ev in stream_chat(port, body):
         if ev.get("choices") and ev["choices"][0].get("delta", {}).get("content"):
             now = time.perf_counter()
             if ttft is None:
@@ -159,7 +166,6 @@ def one_request(port, question, args, temperature):
             tokens = ev["usage"]["completion_tokens"]
         if "spec_metrics" in ev:
             verify = ev["spec_metrics"]["spec_verify_ct"]
-    c.close()
     return time.perf_counter() - t0, ttft, tokens, verify, gaps
 
 
