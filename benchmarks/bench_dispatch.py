@@ -31,7 +31,7 @@ from server.scheduler import Scheduler
 def time_dispatch(sched: Scheduler, n: int, span: int, shape: str, reps: int) -> tuple[float, float, float]:
     """(median seconds per dispatch, tokens emitted per slot, rounds per slot) of the greedy
     dispatch program of `shape` for slots [0, n) at `span`."""
-    key = ("dispatch", n, span, False, shape, False)
+    key = ("dispatch", n, span, False, shape, False, False)
     prog = sched.programs.get(key)
     sched.programs.exercise(key, prog)
     times = []

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.cache import KVCache
+from jaxspec.grammar import mask_logits
 from jaxspec.logprobs import TokenLogprobs, compute
 from jaxspec.sampling import SamplingTensors, sample
 
@@ -101,6 +102,7 @@ def record(state: DecodeState, logits, st: SamplingTensors, max_new_tokens, stop
     stop_ids: [B, K] int32 (-1 padded) tokens that end a request (EOS unless ignore_eos, stop_token_ids)."""
     b = logits.shape[0]
     keys = jax.vmap(jax.random.fold_in)(st.keys, state.num_out)
+    logits = mask_logits(logits, st.grammar, state)
     tok = sample(logits, st, state.counts, state.seen, keys, sampled)
     active = ~state.done
     rows = jnp.arange(b)

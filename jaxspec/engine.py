@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from convert.sources import open_hf_dir
-from jaxspec import compile_cache
+from jaxspec import compile_cache, grammar
 from jaxspec.args import EngineArgs
 from jaxspec.attention import resolve_backend
 from jaxspec.cache import KVCache
@@ -38,6 +38,7 @@ from jaxspec.config import SpecConfig
 from jaxspec.decode import decode, prefill_chunk, prompt_logprobs
 from jaxspec.drafts import bundled_draft_for
 from jaxspec.errors import JaxspecError
+from jaxspec.grammar import Grammars, requested
 from jaxspec.loader import LoadedModel, jnp_dtype, load
 from jaxspec.logprobs import MAX_TOP_LOGPROBS, top_k_for
 from jaxspec.models.llama import fuse_projections
@@ -123,6 +124,7 @@ class Engine:
         self.loaded = _loaded
         self.cfg = _loaded.cfg
         self.tokenizer: Any = _loaded.tokenizer  # a transformers tokenizer, or None
+        self._grammars: Grammars | None = None  # built on the first constrained request
         self.dtype = jnp_dtype(args.dtype)
         self.params: Any
         check_heads(self.cfg, args.tp_size)
@@ -268,11 +270,24 @@ class Engine:
             logger.info("penalties requested: decoding this batch without speculation")
         for i, x in enumerate(ids):
             check_prompt(x, self.context_length, self.cfg.vocab_size, name=f"prompt {i}")
+        grammars = [self.grammar_of(p) for p in params]  # validated before anything runs
         out = []
         n = self.max_running_requests
         for s in range(0, len(ids), n):
-            out += self._run_batch(ids[s : s + n], params[s : s + n], spec_on, lp)
+            out += self._run_batch(ids[s : s + n], params[s : s + n], spec_on, lp, grammars[s : s + n])
         return out
+
+    def grammar_of(self, p: SamplingParams) -> str | None:
+        """The validated grammar of a request's json_schema / regex / ebnf (None: unconstrained);
+        raises JaxspecError for an invalid one."""
+        if requested(p) is None:
+            return None
+        if self.tp_size > 1:
+            raise JaxspecError("json_schema / regex / ebnf are not supported with tensor parallelism (tp_size > 1) yet")
+        if self._grammars is None:
+            eos = sorted(set(self.cfg.eos_token_ids) | {self._need_tokenizer().eos_token_id} - {None})
+            self._grammars = Grammars(self.tokenizer, self.cfg.vocab_size, eos)
+        return self._grammars.check(p)
 
     def feed_ngram_corpus(self, sequences: list[list[int]]) -> None:
         """NGRAM: appends finished requests (prompt + output ids) to the shared n-gram text."""
@@ -282,7 +297,26 @@ class Engine:
         self.dparams = {**(self.dparams or {}), "corpus": self._corpus.device()}
 
     def _run_batch(
-        self, ids: list[list[int]], params: list[SamplingParams], spec_on: bool, lp: _LogprobArgs | None = None
+        self,
+        ids: list[list[int]],
+        params: list[SamplingParams],
+        spec_on: bool,
+        lp: _LogprobArgs | None = None,
+        grammars: list[str | None] | None = None,
+    ) -> list[dict]:
+        handles = None
+        if grammars is not None and any(g is not None for g in grammars):
+            assert self._grammars is not None
+            gs = self._grammars
+            handles = [-1 if g is None else grammar.open_handle(gs.matcher(g), self.cfg.vocab_size) for g in grammars]
+        try:
+            return self._run_batch_with(ids, params, spec_on, lp, handles)
+        finally:
+            for h in handles or []:
+                grammar.close_handle(h)
+
+    def _run_batch_with(
+        self, ids: list[list[int]], params: list[SamplingParams], spec_on: bool, lp: _LogprobArgs | None, handles
     ) -> list[dict]:
         t0 = time.perf_counter()
         top = None if lp is None else (0 if lp.top_logprobs_num == 0 else top_k_for(self.cfg.vocab_size))
@@ -308,7 +342,7 @@ class Engine:
         for i, s in enumerate(stops):
             stop_arr[i, : len(s)] = s
         params_p = params + [SamplingParams(temperature=0.0)] * pad
-        st = SamplingTensors.build(params_p, seeds + [0] * pad)
+        st = SamplingTensors.build(params_p, seeds + [0] * pad, None if handles is None else handles + [-1] * pad)
         sampled = any_sampled(params)
         lens_d = jnp.asarray(lens + [1] * pad, jnp.int32)
         max_new_d = jnp.asarray(max_new + [0] * pad, jnp.int32)

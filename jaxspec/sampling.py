@@ -29,6 +29,7 @@ INT32_MAX = 2**31 - 1
 MAX_STOP_STRINGS = 32  # per request
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 64  # before the per-engine limit (the server keeps a few stop-id columns per slot)
+MAX_GRAMMAR_CHARS = 100_000  # json_schema / regex / ebnf
 
 
 # field types shared with the server's request schemas (server/protocol.py)
@@ -77,6 +78,15 @@ class SamplingParams:
     ignore_eos: bool = _param(False, "keep generating past EOS")
     seed: Seed = _param(None, "per-request sampling seed (default: drawn from --random-seed)")
     skip_special_tokens: bool = _param(True, "leave special tokens out of the text")
+    json_schema: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | dict[str, Any] | None = _param(
+        None, "constrain the output to JSON that fits this JSON Schema (a JSON string or a dict)"
+    )
+    regex: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = _param(
+        None, "constrain the output to text that fully matches this regular expression"
+    )
+    ebnf: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = _param(
+        None, "constrain the output to this grammar (GBNF, as llama.cpp writes it, or Lark)"
+    )
 
     ALIASES: ClassVar[dict[str, str]] = {"sampling_seed": "seed", "max_tokens": "max_new_tokens"}
 
@@ -191,9 +201,12 @@ class SamplingTensors:
     frequency_penalty: jax.Array
     presence_penalty: jax.Array
     keys: jax.Array  # typed PRNG keys [B]
+    # int32 [B] grammar handles (jaxspec/grammar.py; -1 = unconstrained), or None: no row is
+    # constrained and the programs hold no grammar masks at all
+    grammar: jax.Array | None = None
 
     @classmethod
-    def build(cls, params: list[SamplingParams], seeds: list[int]) -> SamplingTensors:
+    def build(cls, params: list[SamplingParams], seeds: list[int], grammar: list[int] | None = None) -> SamplingTensors:
         f32 = lambda name: jnp.asarray([getattr(p, name) for p in params], jnp.float32)
         return cls(
             temperature=f32("temperature"),
@@ -204,12 +217,13 @@ class SamplingTensors:
             frequency_penalty=f32("frequency_penalty"),
             presence_penalty=f32("presence_penalty"),
             keys=jax.vmap(jax.random.key)(jnp.asarray([seed_bits(s) for s in seeds], jnp.uint32)),
+            grammar=None if grammar is None else jnp.asarray(grammar, jnp.int32),
         )
 
     @classmethod
-    def build_default(cls, batch: int) -> SamplingTensors:
-        """Greedy placeholders for `batch` empty slots."""
-        return cls.build([SamplingParams(temperature=0.0)] * batch, [0] * batch)
+    def build_default(cls, batch: int, grammar: bool = False) -> SamplingTensors:
+        """Greedy placeholders for `batch` empty slots (grammar: with unconstrained handles)."""
+        return cls.build([SamplingParams(temperature=0.0)] * batch, [0] * batch, [-1] * batch if grammar else None)
 
 
 def apply_penalties(logits, st: SamplingTensors, counts, seen):

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec.cache import KVCache
 from jaxspec.decode import LENGTH, RUNNING, STOPPED, DecodeState, decode_step, target_prefill
+from jaxspec.grammar import Emitted, mask_logits, sync
 from jaxspec.logprobs import TokenLogprobs, compute
 from jaxspec.sampling import SamplingTensors, sample
 from jaxspec.speculative.loop import SpecState, plain_steps, prefill_step, spec_round
@@ -83,11 +84,13 @@ class SlotBatch:
         num_steps: int = 0,
         kv_sharding=None,
         top_logprobs: int | None = None,
+        grammar: bool = False,
     ) -> SlotBatch:
         """Empty slots. max_len: KV columns per slot (context + the round's scratch region);
         window: tokens one dispatch can emit per slot; num_stop: stop-token columns;
         kv_sharding: where the target's KV buffers live (jaxspec/sharding.py); top_logprobs: None,
-        or every emitted token's logprob is computed, with this many top alternatives."""
+        or every emitted token's logprob is computed, with this many top alternatives; grammar:
+        the slots carry grammar handles (st.grammar) for constrained requests (jaxspec/grammar.py)."""
         b, v = slots, cfg.vocab_size
         cache = KVCache.create(cfg, b, max_len, dtype, kv_sharding)
         zi = lambda *s: jnp.zeros(s, jnp.int32)
@@ -119,7 +122,7 @@ class SlotBatch:
                 **common,
             )
             feat = (3 if prop.capture_layers else 1) * cfg.hidden_size if prop.uses_hidden else 1
-        st = SamplingTensors.build_default(b)
+        st = SamplingTensors.build_default(b, grammar)
         return cls(
             core,
             st,
@@ -238,7 +241,10 @@ def admit_finish(
     counts = jnp.zeros(seen.shape, jnp.int32)
     keys = jax.vmap(jax.random.fold_in)(st.keys, jnp.zeros((n,), jnp.int32))
     logits = tgt.logits(batch.last_h[rows]).astype(jnp.float32)
+    logits = mask_logits(logits, st.grammar, Emitted.none(n))
     first = sample(logits, st, counts, seen, keys)
+    # constrained requests: their matchers consume the first token before any dispatch runs
+    synced = sync(st.grammar, Emitted(first[:, None], jnp.ones((n,), jnp.int32), None, jnp.zeros((n,), bool)))
     core = batch.core
     first_lps = None if core.lps is None else compute(logits[:, None], first[:, None], st.temperature, core.lps.k)
     is_stop = jnp.any(first[:, None] == stop_ids, -1)
@@ -269,12 +275,12 @@ def admit_finish(
         stop_ids=batch.stop_ids.at[rows].set(stop_ids),
         plain=batch.plain.at[rows].set(plain),
     )
-    return batch.placed(jax.lax.with_sharding_constraint), (first, first_lps)
+    return batch.placed(jax.lax.with_sharding_constraint), (first, first_lps, synced)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "prop", "spec", "k", "n_act", "span", "backend", "sampled", "logprobs"),
+    static_argnames=("graphdef", "prop", "spec", "k", "n_act", "span", "backend", "sampled", "logprobs", "grammar"),
     donate_argnames=("batch",),
 )
 def dispatch(
@@ -291,6 +297,7 @@ def dispatch(
     backend="xla",
     sampled: bool = True,
     logprobs: bool = False,
+    grammar: bool = False,
 ):
     """k rounds (plain: decode steps) for slots [0, n_act). With a proposer and spec None: W
     plain steps instead (W = the window, the tokens k rounds can emit), then one draft extension.
@@ -300,15 +307,19 @@ def dispatch(
     once every slot is done, which saves the rounds' compute. sampled (static): some slot has
     temperature > 0 (False: a greedy-only program, without the sampler). logprobs (static): compute
     every emitted token's logprob and top alternatives into the window's `lps` (False: they are left
-    stale; a top-k over the vocabulary per token is a visible share of a CPU round).
+    stale; a top-k over the vocabulary per token is a visible share of a CPU round). grammar
+    (static): some slot is constrained (jaxspec/grammar.py): tokens are masked by each slot's
+    matcher, which consumes the dispatch's tokens before it returns (False: no mask, no callback).
 
     kill: [B] bool, slots to stop first (cancelled requests). Returns (batch, outs) with outs =
     (window tokens [n_act, W], new-token counts [n_act], done [n_act], finish [n_act],
-    verify_ct [n_act], hist [n_act, D + 2], window logprobs TokenLogprobs [n_act, W] or None); plain
-    mode reports verify_ct = num_out and no hist."""
+    verify_ct [n_act], hist [n_act, D + 2], window logprobs TokenLogprobs [n_act, W] or None[,
+    grammar: output tokens each matcher has consumed [n_act]); plain mode reports
+    verify_ct = num_out and no hist."""
     tgt = nnx.merge(graphdef, params)
     rows = jnp.arange(n_act)
     sub = take_rows(batch, rows, span, prefix=n_act)
+    st = sub.st if grammar else dataclasses.replace(sub.st, grammar=None)
     core = sub.core
     core = dataclasses.replace(core, done=core.done | kill[:n_act], out=jnp.zeros_like(core.out), base=core.num_out)
     lps = core.lps
@@ -317,10 +328,10 @@ def dispatch(
     cpu = jax.default_backend() == "cpu"
     trips = k
     if prop is None:
-        step = lambda s: decode_step(tgt, s, sub.st, sub.max_new, sub.stop_ids, backend, sampled)
+        step = lambda s: decode_step(tgt, s, st, sub.max_new, sub.stop_ids, backend, sampled)
     elif spec is None:  # one call: W steps and the draft's catch-up
         w, trips = core.out.shape[1], 1
-        step = lambda s: plain_steps(tgt, prop, dparams, s, sub.st, sub.max_new, sub.stop_ids, w, backend, sampled, cpu)
+        step = lambda s: plain_steps(tgt, prop, dparams, s, st, sub.max_new, sub.stop_ids, w, backend, sampled, cpu)
     else:
         thr = (
             jnp.full((n_act,), spec.accept_threshold_single, jnp.float32),
@@ -332,7 +343,7 @@ def dispatch(
             dparams,
             spec,
             s,
-            sub.st,
+            st,
             sub.max_new,
             sub.stop_ids,
             thr,
@@ -355,6 +366,7 @@ def dispatch(
         extra = (core.num_out, jnp.zeros((n_act, 1), jnp.int32))
     else:
         extra = (core.verify_ct, core.hist)
+    synced = () if not grammar else (sync(st.grammar, core),)
     return batch.placed(jax.lax.with_sharding_constraint), (
         core.out,
         core.num_out - core.base,
@@ -362,4 +374,5 @@ def dispatch(
         core.finish,
         *extra,
         core.lps,
+        *synced,
     )

@@ -6,14 +6,18 @@ The scheduler runs four programs (jaxspec/serving.py), each specialised on a few
   ("finish", n)             admit_finish: their first tokens (its draft extension reads every column)
   ("copy", span)            copy_prefix: a cached prompt prefix's KV columns [0, span) into a new
                             request's slot (prefix caching)
-  ("dispatch", n_act, span, sampled, shape, logprobs)
+  ("dispatch", n_act, span, sampled, shape, logprobs, grammar)
                             dispatch: k rounds for slots [0, n_act); sampled=False is a
                             greedy-only program (no sampler), True serves any mix; shape: the
                             tree shape's label (speculative/adaptive.py shape_label; "off" is
                             plain decoding), the configured one or another candidate of
                             adaptive speculation (a shallower tree, or plain steps);
                             logprobs=True also computes the emitted tokens' logprobs (for
-                            requests that ask; it serves the others too, a little slower)
+                            requests that ask; it serves the others too, a little slower);
+                            grammar=True masks tokens by constrained requests' grammars (host
+                            callbacks, jaxspec/grammar.py); only such dispatches use it, and it
+                            is compiled when the first constrained request arrives (the
+                            background compiles one at the largest shape)
 
 `span` is how many KV columns attention reads. A program for a larger n_act, C or span than a call
 needs is still correct (extra slots are stopped, extra columns are masked, a chunk is zero-padded),
@@ -178,9 +182,14 @@ class Programs:
             keys += [("copy", x) for x in spans]
         main = s.main_shape
         for n in self.sizes(max_bs):
-            keys += [("dispatch", n, x, True, main, False) for x in short]
-        keys += [("dispatch", 1, s.max_len, True, main, False), ("dispatch", s.slots, s.max_len, True, main, False)]
-        keys.append(("dispatch", s.slots, s.max_len, True, main, True))  # covers every request asking for logprobs
+            keys += [("dispatch", n, x, True, main, False, False) for x in short]
+        keys += [
+            ("dispatch", 1, s.max_len, True, main, False, False),
+            ("dispatch", s.slots, s.max_len, True, main, False, False),
+        ]
+        keys.append(
+            ("dispatch", s.slots, s.max_len, True, main, True, False)
+        )  # covers every request asking for logprobs
         return list(dict.fromkeys(keys))
 
     def background_keys(self) -> list[tuple]:
@@ -197,8 +206,10 @@ class Programs:
         others = [x for x in reversed(self.sched.shapes) if x != main]  # plain steps, then shallower trees
         twins = lambda ks: [k[:4] + (x,) + k[5:] for x in others for k in ks if k[0] == "dispatch"]
         keys = twins(startup) + greedy(startup)
-        rest = [("dispatch", 1, x, True, main, False) for x in spans]
-        rest += [("dispatch", n, x, True, main, False) for x in spans for n in sizes]
+        if self.sched.grammar:  # one program serves every constrained request (at the largest shape)
+            keys.append(("dispatch", self.sched.slots, self.sched.max_len, True, main, False, True))
+        rest = [("dispatch", 1, x, True, main, False, False) for x in spans]
+        rest += [("dispatch", n, x, True, main, False, False) for x in spans for n in sizes]
         keys += rest
         # tiny prompts under a large min span
         keys += [("chunk", 1, c, spans[0]) for c in self.chunk_sizes() if c < spans[0]]
@@ -207,7 +218,7 @@ class Programs:
             keys += [("chunk", n, self.chunk_for(x), x) for x in spans if x <= 512]
         keys += greedy(rest)
         keys += twins(greedy(startup) + rest + greedy(rest))
-        keys += [("dispatch", 1, x, True, main, True) for x in spans if x <= 512]
+        keys += [("dispatch", 1, x, True, main, True, False) for x in spans if x <= 512]
         return [k for k in dict.fromkeys(keys) if k not in self._have()]
 
     # ---- compiling -----------------------------------------------------------------------------
@@ -229,7 +240,7 @@ class Programs:
         sds = jax.ShapeDtypeStruct
         dparams = jax.tree_util.tree_map(_spec, eng.dparams)
         if key[0] == "dispatch":
-            _, n_act, span, sampled, shape, logprobs = key
+            _, n_act, span, sampled, shape, logprobs, grammar = key
             return dispatch.lower(
                 eng.graphdef,
                 self._params_spec,
@@ -244,6 +255,7 @@ class Programs:
                 backend=eng.backend,
                 sampled=sampled,
                 logprobs=logprobs,
+                grammar=grammar,
             )
         if key[0] == "copy":
             return copy_prefix.lower(self._batch_spec, sds((), i32), sds((), i32), sds((), i32), span=key[1])
@@ -264,7 +276,7 @@ class Programs:
                 backend=eng.backend,
             )
         _, n = key
-        st = jax.eval_shape(lambda: SamplingTensors.build_default(n))
+        st = jax.eval_shape(lambda: SamplingTensors.build_default(n, s.grammar))
         return admit_finish.lower(
             eng.graphdef,
             self._params_spec,
@@ -314,7 +326,9 @@ class Programs:
 
         def params(n):  # row 0 samples (the sampler's draw path), the rest are greedy
             return SamplingTensors.build(
-                [SamplingParams(temperature=1.0)] + [SamplingParams(temperature=0.0)] * (n - 1), [0] * n
+                [SamplingParams(temperature=1.0)] + [SamplingParams(temperature=0.0)] * (n - 1),
+                [0] * n,
+                [-1] * n if s.grammar else None,
             )
 
         if key[0] == "copy":
@@ -428,16 +442,22 @@ class Programs:
         return prog
 
     def dispatch_key(
-        self, n_act: int, span: int, sampled: bool = True, shape: str | None = None, logprobs: bool = False
+        self,
+        n_act: int,
+        span: int,
+        sampled: bool = True,
+        shape: str | None = None,
+        logprobs: bool = False,
+        grammar: bool = False,
     ) -> tuple | None:
         """The cheapest compiled ("dispatch", n', span', s', shape, l') with n' >= n_act, span' >= span,
         s' >= sampled (a sampling program serves greedy slots, at the cost of its sampler) and
-        l' >= logprobs. shape: a label of sched.shapes (default: the configured one). When no
+        l' >= logprobs, and grammar as asked. shape: a label of sched.shapes (default: the configured one). When no
         compiled program covers the call: the exact key for the configured shape (compiled now),
         None for another candidate of adaptive speculation (the configured shape serves the call
         instead)."""
         shape = self.sched.main_shape if shape is None else shape
-        exact = ("dispatch", n_act, span, sampled, shape, logprobs)
+        exact = ("dispatch", n_act, span, sampled, shape, logprobs, grammar)
         have = [
             k
             for k in self._have()
@@ -447,6 +467,7 @@ class Programs:
             and k[3] >= sampled
             and k[4] == shape
             and k[5] >= logprobs
+            and k[6] == grammar
         ]
         if self.lazy or exact in have:
             return exact

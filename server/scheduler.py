@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import grammar
 from jaxspec.config import SpecConfig
 from jaxspec.decode import LENGTH, STOPPED
 from jaxspec.engine import Engine
@@ -103,6 +104,8 @@ class Request:
     # stop token ids (EOS, stop_token_ids, 1-token stop strings)
     _stops: list[int] = dataclasses.field(default_factory=list)
     _reuse: int = 0  # at admission: prompt positions whose KV its slot holds (or will, once copied)
+    grammar: str | None = None  # constrained output: its validated llguidance grammar (jaxspec/grammar.py)
+    handle: int = -1  # while decoding a grammar: its matcher's handle (SamplingTensors.grammar)
 
     @property
     def text(self) -> str:
@@ -219,6 +222,10 @@ class Scheduler:
         self.context_length = eng.context_length
         self.max_len = -(-(self.context_length + self.scratch) // 64) * 64
         self.num_stop = 8
+        # constrained decoding: slots carry grammar handles, and programs mask by them on demand
+        # (host callbacks; not under tensor parallelism, where requests with a grammar are refused)
+        self.grammar = eng.tp_size == 1
+        self._slot_handle: dict[int, int] = {}  # slot -> the matcher handle of its latest request
         self.overlap = overlap
         self.max_queued = max_queued_requests
         self.slots = self._plan_memory(max_running_requests, mem_fraction_static, gpu)
@@ -276,6 +283,7 @@ class Scheduler:
             self.spec.num_steps if self.spec else 0,
             eng.kv_sharding if sharded else None,
             top_logprobs=top_k_for(eng.cfg.vocab_size),
+            grammar=self.grammar,
         )
 
     # ---- public API (any thread) -------------------------------------------------------------
@@ -293,6 +301,7 @@ class Scheduler:
         self.validate(req.ids, req.params)
         p = req.params
         req.max_new = min(p.max_new_tokens, self.context_length - len(req.ids))
+        req.grammar = self.eng.grammar_of(p)
         if self.spec and (p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty):
             req.speculative = False  # penalties: this request decodes plainly (inside the round)
         eng = self.eng
@@ -679,7 +688,18 @@ class Scheduler:
         rows = jnp.asarray([r.slot for r in reqs], jnp.int32)
         params = [r.params for r in reqs]
         seeds = [p.seed if p.seed is not None else int(self._rng.integers(2**31)) for p in params]
-        st = SamplingTensors.build(params, seeds)
+        handles = None
+        if self.grammar:
+            for r in reqs:
+                grammar.close_handle(self._slot_handle.pop(r.slot, -1))
+                if r.grammar is not None:
+                    gs = eng._grammars
+                    assert gs is not None
+                    r.handle = self._slot_handle[r.slot] = grammar.open_handle(
+                        gs.matcher(r.grammar), eng.cfg.vocab_size
+                    )
+            handles = [r.handle for r in reqs]
+        st = SamplingTensors.build(params, seeds, handles)
         stops = np.full((n, self.num_stop), -1, np.int32)
         seen = np.zeros((n, eng.cfg.vocab_size), bool)
         for i, r in enumerate(reqs):
@@ -731,24 +751,25 @@ class Scheduler:
         sampled = any_sampled(r.params for r in busy.values())
         span = self._span(need)
         lps = any(r.top_logprobs is not None for r in busy.values())
-        spec = self._choose(busy, n_act, span, sampled, lps)
-        key = self.programs.dispatch_key(n_act, span, sampled, shape_label(spec), lps)
+        gram = any(r.handle >= 0 for r in busy.values())
+        spec = self._choose(busy, n_act, span, sampled, lps, gram)
+        key = self.programs.dispatch_key(n_act, span, sampled, shape_label(spec), lps, gram)
         if key is None:  # another candidate chosen but not compiled yet: the configured shape serves as well
-            spec, key = self.spec, self.programs.dispatch_key(n_act, span, sampled, logprobs=lps)
+            spec, key = self.spec, self.programs.dispatch_key(n_act, span, sampled, logprobs=lps, grammar=gram)
         prog = self.programs.get(key)
         self._seq += 1
         t = time.perf_counter()
         self.batch, outs = prog(eng.params, eng.dparams, self.batch, jnp.asarray(kill))
         self._pending.append(Pending("dispatch", [], busy, outs, self._seq, t, spec, n_act, key))
 
-    def _choose(self, busy: dict[int, Request], n_act: int, span: int, sampled: bool, lps: bool):
+    def _choose(self, busy: dict[int, Request], n_act: int, span: int, sampled: bool, lps: bool, gram: bool = False):
         """The tree shape for the next dispatch, or None (plain steps): adaptive speculation's
         choice from the running requests' acceptance so far (self.spec when it is off), among the
         candidates that a compiled program covers for this call (a candidate without one would
         never be measured, and the choice would stay on it)."""
         if self.adaptive is None:
             return self.spec
-        allowed = [x for x in self.shapes if self.programs.dispatch_key(n_act, span, sampled, x, lps) is not None]
+        allowed = [x for x in self.shapes if self.programs.dispatch_key(n_act, span, sampled, x, lps, gram) is not None]
         spec_reqs = [r for r in busy.values() if r.speculative]
         none = self.adaptive.empty(1)[0]
         acc = np.array([none if r.acc is None else r.acc for r in spec_reqs]).reshape((-1,) + none.shape)
@@ -761,7 +782,7 @@ class Scheduler:
         want_lps = any(r.top_logprobs is not None for r in item.who)
         if item.kind == "admit":
             who = item.reqs
-            first, lps = jax.device_get(item.out if want_lps else (item.out[0], None))
+            first, lps = jax.device_get(item.out[:2] if want_lps else (item.out[0], None))
             now = t_got = time.perf_counter()
             for i, (r, t) in enumerate(zip(who, first)):
                 r.t_first = now
@@ -898,6 +919,10 @@ class Scheduler:
     def _finish(self, r: Request, reason: dict) -> None:
         """(lock held) Final event for a request."""
         r.finished = True
+        if r.handle >= 0:
+            grammar.close_handle(r.handle)
+            self._slot_handle.pop(r.slot, None)
+            r.handle = -1
         st = self.stats
         if reason["type"] != "abort":
             st.finished += 1

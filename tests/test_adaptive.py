@@ -252,10 +252,10 @@ def test_server_candidate_programs_compile_in_the_background(models):  # noqa: F
     assert list(sched.shapes) == ["3/2/6", "1/2/3", OFF] and sched.main_shape == "3/2/6"
     assert all(k[4] == "3/2/6" for k in startup if k[0] == "dispatch")
     for x in (OFF, "1/2/3"):
-        assert {k[:4] + (x, False) for k in startup if k[0] == "dispatch" and not k[5]} <= set(bg)
+        assert {k[:4] + (x, False, False) for k in startup if k[0] == "dispatch" and not k[5]} <= set(bg)
     assert progs.dispatch_key(1, 64, False, OFF) is None
-    progs.compile(("dispatch", 2, 128, True, OFF, False))
-    assert progs.dispatch_key(1, 64, False, OFF) == ("dispatch", 2, 128, True, OFF, False)
+    progs.compile(("dispatch", 2, 128, True, OFF, False, False))
+    assert progs.dispatch_key(1, 64, False, OFF) == ("dispatch", 2, 128, True, OFF, False, False)
     assert progs.dispatch_key(1, 64, False, "1/2/3") is None
     assert progs.dispatch_key(1, 64, False)[4] == "3/2/6"
     assert Scheduler(engine(models, "EAGLE3", "eagle3", (3, 2, 6)), max_running_requests=2).adaptive is None
@@ -272,11 +272,11 @@ def test_server_dispatch_programs_have_no_vocab_sort_and_no_branch(models):  # n
 
     sched = Scheduler(engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True), max_running_requests=2)
     for shape in sched.shapes:
-        hlo = sched.programs._lower(("dispatch", 2, 64, True, shape, False)).compile().as_text()
+        hlo = sched.programs._lower(("dispatch", 2, 64, True, shape, False, False)).compile().as_text()
         assert_no_vocab_sort_or_branch(hlo, V)
     # with logprobs: a top-k of the whole (16-token) vocabulary is a sort here; over a real vocabulary
     # it is XLA's TopK (tests/test_logprobs.py), and still no branch
-    hlo = sched.programs._lower(("dispatch", 2, 64, True, sched.main_shape, True)).compile().as_text()
+    hlo = sched.programs._lower(("dispatch", 2, 64, True, sched.main_shape, True, False)).compile().as_text()
     assert_no_vocab_sort_or_branch(hlo, V + 1)
 
 

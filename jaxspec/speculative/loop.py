@@ -26,6 +26,7 @@ from flax import nnx
 from jaxspec.cache import KVCache
 from jaxspec.config import SpecConfig
 from jaxspec.decode import LENGTH, RUNNING, STOPPED, target_prefill
+from jaxspec.grammar import Emitted, allowed, mask_logits
 from jaxspec.logprobs import TokenLogprobs, compute
 from jaxspec.sampling import SamplingTensors, sample
 from jaxspec.speculative import tree as tree_lib
@@ -153,7 +154,9 @@ def emit(state: SpecState, new, n_new, max_new_tokens, stop_ids, logits=None, st
     )
 
 
-def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState):
+def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState, grammar=None):
+    """The round's tree. grammar: SamplingTensors.grammar (None: unconstrained): the draft then
+    proposes only tokens each node's grammar state allows (proposers that grow a tree)."""
     if prop.builds_tree:
         return prop.propose_tree(dparams, state.draft, state.last, spec), state.draft
     d = {"state": state.draft}
@@ -163,6 +166,11 @@ def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState)
         return probs, h
 
     root_hidden = state.draft.root_hidden if prop.uses_hidden else None
+    mask_fn = None
+    if grammar is not None:
+        ids = prop.to_target(dparams, jnp.arange(prop.draft_vocab, dtype=jnp.int32)).astype(jnp.int32)
+        vocab = tgt.cfg.vocab_size
+        mask_fn = lambda paths, plen: allowed(grammar, state, paths, plen, vocab, ids, invalid_allows=False)
     cand = tree_lib.grow(
         state.draft.root_probs,
         root_hidden,
@@ -171,6 +179,7 @@ def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState)
         spec.num_steps,
         spec.eagle_topk,
         prop.root_in_region,
+        mask_fn,
     )
     return tree_lib.rerank(state.last, cand, spec.num_draft_tokens, spec.num_steps), d["state"]
 
@@ -194,7 +203,7 @@ def spec_round(
     sampled (static): False when every slot is greedy (no sampler in the program). The round
     holds no data-dependent branch: every slot runs the same straight-line program."""
     steps = spec.num_steps
-    tree, dstate = draft_tree(prop, dparams, tgt, spec, state)
+    tree, dstate = draft_tree(prop, dparams, tgt, spec, state, st.grammar)
     cache = state.cache
     pos = cache.lengths[:, None] + tree.depth
     h, cache, cap = tgt(
@@ -204,6 +213,8 @@ def spec_round(
         jax.vmap(jax.random.fold_in)(st.keys, jnp.ones_like(state.verify_ct)), state.verify_ct
     )
     logits = tgt.logits(h)  # [B, N, V]
+    if st.grammar is not None:  # each node's logits masked by the grammar state along its path
+        logits = mask_logits(logits.astype(jnp.float32), st.grammar, state, *tree_lib.node_paths(tree, steps))
     if spec.ngram is not None and spec.ngram.force_greedy_verify:  # SGLANG_NGRAM_FORCE_GREEDY_VERIFY
         acc = greedy_verify(tree, logits, steps)
     else:
@@ -240,7 +251,8 @@ def _plain_slots(tgt, h, acc: Accepted, plain, st: SamplingTensors, state: SpecS
     root's logits by the plain sampler (penalties from state.counts / state.seen)."""
     counts = state.counts if state.counts is not None else jnp.zeros(h.shape[:1] + (tgt.cfg.vocab_size,), jnp.int32)
     seen = state.seen if state.seen is not None else counts > 0
-    tok = sample(tgt.logits(h[:, 0]).astype(jnp.float32), st, counts, seen, keys, sampled)
+    root = mask_logits(tgt.logits(h[:, 0]).astype(jnp.float32), st.grammar, state)
+    tok = sample(root, st, counts, seen, keys, sampled)
     return Accepted(
         jnp.where(plain, 0, acc.num), jnp.where(plain[:, None], 0, acc.path), jnp.where(plain, tok, acc.bonus)
     )
@@ -276,7 +288,7 @@ def spec_start(
     b = last_h.shape[0]
     v = tgt.cfg.vocab_size
     zeros = jnp.zeros((b, v), jnp.int32)
-    first_logits = tgt.logits(last_h)
+    first_logits = mask_logits(tgt.logits(last_h), st.grammar, Emitted.none(b, max_new_tokens))
     first = sample(
         first_logits,
         st,
@@ -343,7 +355,7 @@ def plain_steps(
             seen = counts > 0
         else:
             counts, seen = s.counts, s.seen
-        logits = tgt.logits(h[:, 0]).astype(jnp.float32)
+        logits = mask_logits(tgt.logits(h[:, 0]).astype(jnp.float32), st.grammar, s)
         tok = sample(logits, st, counts, seen, keys, sampled)
         cache = dataclasses.replace(cache, lengths=cache.lengths + active)
         hist = s.hist.at[:, 1].add(active.astype(jnp.int32))

@@ -40,7 +40,16 @@ class Candidates:
     parent: jax.Array  # [B, M] int32 candidate index of the parent, -1 = root
 
 
-def grow(root_probs, root_hidden, to_target, step_fn: Callable, num_steps: int, topk: int, root_in_region: bool):
+def grow(
+    root_probs,
+    root_hidden,
+    to_target,
+    step_fn: Callable,
+    num_steps: int,
+    topk: int,
+    root_in_region: bool,
+    mask_fn: Callable | None = None,
+):
     """Runs the draft steps and returns all scored candidates.
 
     root_probs: [B, Vd] draft probabilities for x_L's successor; root_hidden: [B, Hd] or None.
@@ -48,9 +57,20 @@ def grow(root_probs, root_hidden, to_target, step_fn: Callable, num_steps: int, 
     step_fn(tokens [B, k], hidden [B, k, Hd] | None, depth j, local_mask [B, k, W], offset) ->
         (probs [B, k, Vd], hidden_out [B, k, Hd] | None); it writes the beams' draft KV at region
         column offset + slot. Region column 0 holds the root when root_in_region (STANDALONE).
+    mask_fn(paths [B, P, D] target tokens after x_L, lengths [B, P]) -> bool [B, P, Vd]: the draft
+        tokens allowed after each path (constrained decoding); each distribution is masked and
+        renormalised, so a token the grammar forces gets probability 1.
     """
     b = root_probs.shape[0]
     k = topk
+
+    def constrain(probs, paths, plen):  # probs [B, P, Vd]
+        if mask_fn is None:
+            return probs
+        p = jnp.where(mask_fn(paths, plen), probs, 0.0)
+        return p / jnp.maximum(jnp.sum(p, -1, keepdims=True), 1e-30)
+
+    root_probs = constrain(root_probs[:, None], jnp.zeros((b, 1, 1), jnp.int32), jnp.zeros((b, 1), jnp.int32))[:, 0]
     r = int(root_in_region)
     w = max(r + (num_steps - 1) * k, 1)
     p0, ids0 = jax.lax.top_k(root_probs, k)  # [B, k]
@@ -60,6 +80,7 @@ def grow(root_probs, root_hidden, to_target, step_fn: Callable, num_steps: int, 
     beam_cand = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # candidate index of each beam
     beam_score = p0
     beam_tok = toks[0]
+    beam_path = beam_tok[:, :, None]  # [B, k, j] each beam's tokens after x_L
     beam_hidden = None if root_hidden is None else jnp.broadcast_to(root_hidden[:, None], (b, k, root_hidden.shape[-1]))
     col = jnp.arange(w)[None, None, :]
     beam_anc = jnp.broadcast_to((col == r + jnp.arange(k)[None, :, None]) | ((col == 0) & (r == 1)), (b, k, w))
@@ -67,6 +88,7 @@ def grow(root_probs, root_hidden, to_target, step_fn: Callable, num_steps: int, 
     for j in range(1, num_steps):
         offset = r + (j - 1) * k
         probs, hidden = step_fn(beam_tok, beam_hidden, j, beam_anc, offset)
+        probs = constrain(probs, beam_path, jnp.full((b, k), j, jnp.int32))
         p, ids = jax.lax.top_k(probs, k)  # [B, k(beam), k(child)]
         child_score = (beam_score[:, :, None] * p).reshape(b, k * k)
         child_tok = to_target(ids).reshape(b, k * k).astype(jnp.int32)
@@ -78,6 +100,9 @@ def grow(root_probs, root_hidden, to_target, step_fn: Callable, num_steps: int, 
         beam_score, pick = jax.lax.top_k(child_score, k)  # best k of k*k become the next beams
         parent_slot = pick // k
         beam_tok = jnp.take_along_axis(child_tok, pick, axis=1)
+        beam_path = jnp.concatenate(
+            [jnp.take_along_axis(beam_path, parent_slot[:, :, None], 1), beam_tok[:, :, None]], 2
+        )
         beam_cand = n_cand + pick.astype(jnp.int32)
         if hidden is not None:
             beam_hidden = jnp.take_along_axis(hidden, parent_slot[:, :, None], axis=1)
@@ -111,3 +136,12 @@ def build_tree(tokens, parent, max_depth: int) -> Tree:
         depth = jnp.where(node > 0, jnp.take_along_axis(depth, parent, 1) + 1, 0)
         anc = anc | jnp.take_along_axis(anc, parent[:, :, None], axis=1)
     return Tree(tokens.astype(jnp.int32), parent, depth, anc)
+
+
+def node_paths(tree: Tree, max_depth: int):
+    """Each node's tokens after the root, by depth: (paths [B, N, D] int32 (zero past the node's
+    depth), lengths [B, N] = depth). D = max(max_depth, 1)."""
+    d = jnp.arange(1, max(max_depth, 1) + 1)
+    sel = tree.anc[..., None] & (tree.depth[:, None, :, None] == d)  # [B, node, ancestor, D]
+    paths = jnp.sum(jnp.where(sel, tree.tokens[:, None, :, None], 0), axis=2)
+    return paths.astype(jnp.int32), tree.depth
