@@ -216,7 +216,8 @@ class Engine:
         results = self._generate_ids(ids, sampling_params, lp)
         return results[0] if single and len(results) == 1 else results
 
-    def apply_chat_template(self, messages: Conversation) -> str:
+    def apply_chat_template(self, messages: Conversation, tools: list[dict] | None = None) -> str:
+        """The prompt text of a conversation (tools: OpenAI tool objects, for templates that take them)."""
         tok = self._need_tokenizer()
         if not getattr(tok, "chat_template", None):
             raise JaxspecError("this model's tokenizer has no chat template; use generate() with a raw prompt")
@@ -224,7 +225,9 @@ class Engine:
             isinstance(m, dict) and "role" in m and "content" in m for m in messages
         ):
             raise JaxspecError('messages must be a list of {"role": ..., "content": ...} dicts')
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+        kw = {} if tools is None else {"tools": tools}
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
 
     def reset_ngram_corpus(self, reserve: int = 4096) -> None:
         """NGRAM: empties the n-gram text shared by all requests (speculative/proposers/ngram.py). Its device

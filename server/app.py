@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxspec.errors import JaxspecError
 from jaxspec.requests import input_logprobs, output_logprobs, with_token_text
 from jaxspec.sampling import nth_sample
-from server import protocol
+from server import protocol, tools
 from server.logprobs import chat_logprobs, completion_logprobs, merge_completion, rows_from_meta
 from server.scheduler import QueueFull, Scheduler
 from server.scheduler import Request as SchedRequest
@@ -304,9 +304,11 @@ def create_app(
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
-    async def openai_run(request: Request, body, prompts: list[list[int]], chat: bool, texts=None):
+    async def openai_run(request: Request, body, prompts: list[list[int]], chat: bool, texts=None, plan=None):
         """One chat or completion request: a choice per prompt and sample (index = prompt * n + j).
-        texts: the prompts as the client sent them (echo), None where it sent token ids."""
+        texts: the prompts as the client sent them (echo), None where it sent token ids; plan: the
+        chat request's tools (server/tools.py): outputs become tool_calls, streamed as one delta
+        each once the output is complete."""
         params = body.sampling(default_max=sched.context_length)
         top = body.top_logprobs_wanted()
         n = body.n
@@ -359,6 +361,11 @@ def create_app(
                 if chat:
                     choice["message"] = {"role": "assistant", "content": res["text"]}
                     choice["logprobs"] = logprobs_of(i, res["output_ids"], rows, 0)
+                    if plan is not None:
+                        content, calls = tools.parse(plan, res["text"] or "")
+                        if calls:
+                            choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                            choice["finish_reason"] = "tool_calls"
                 else:
                     choice["text"] = prefix[p] + (res["text"] or "")
                     lps = logprobs_of(i, res["output_ids"], rows, len(prefix[p]))
@@ -405,6 +412,8 @@ def create_app(
                     yield sse(chunk(i, prefix[i // n], None, prefix_lps[i // n]))
             results: dict[int, dict] = {}
             async for i, e in merged(request, subs):
+                if plan is not None and e["type"] == "delta":  # tool requests: sent whole when done
+                    continue
                 if e["type"] == "delta" and (e["text"] or e.get("logprobs")):
                     lps = None
                     if top is not None:
@@ -417,7 +426,18 @@ def create_app(
                     break
                 elif e["type"] == "done":
                     res = results[i] = e["result"]
-                    last = chunk(i, None, finish_fields(res))
+                    fin = finish_fields(res)
+                    if plan is not None:
+                        content, calls = tools.parse(plan, res["text"] or "")
+                        if calls:
+                            fin["finish_reason"] = "tool_calls"
+                            delta = [{**c, "index": j} for j, c in enumerate(calls)]
+                            c = chunk(i, None, None)
+                            c["choices"][0]["delta"] = {"content": content, "tool_calls": delta}
+                            yield sse(c)
+                        elif content:
+                            yield sse(chunk(i, content, None))
+                    last = chunk(i, None, fin)
                     last["spec_metrics"] = spec_metrics(res)
                     yield sse(last)
             if include_usage and len(results) == len(subs):
@@ -475,14 +495,18 @@ def create_app(
         body = await parse(request, protocol.ChatCompletionRequest)
         check_model(body.model)
         body.sampling(default_max=sched.context_length)  # validate before tokenizing
+        plan = tools.plan(body)
+        tok = eng.tokenizer
+        takes_tools = tok is not None and "tools" in (getattr(tok, "chat_template", None) or "")
+        conv, template_tools = tools.messages(body, plan, takes_tools)
         with sched.tok_lock:
             try:
-                text = eng.apply_chat_template(body.conversation())
+                text = eng.apply_chat_template(conv, template_tools)
             except JaxspecError:
                 raise
             except Exception as e:
                 raise JaxspecError(f"messages: the model's chat template rejected this conversation: {e}") from None
-        return await openai_run(request, body, [encode(text, add_special_tokens=False)], chat=True)
+        return await openai_run(request, body, [encode(text, add_special_tokens=False)], chat=True, plan=plan)
 
     @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"))
     async def completions(request: Request):

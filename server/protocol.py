@@ -3,8 +3,10 @@ the same schemas /openapi.json publishes, and their mapping to SamplingParams.
 
 Every field is typed and bounded (finite numbers, 32-bit token ids and counts, 64-bit seeds, bounded
 stop lists), so nothing reaches the scheduler unvalidated. Fields the OpenAI API defines but this
-server cannot honour yet (response_format other than text, tools, logit_bias, suffix, ...) are
-rejected with a 400 that names them, never ignored. Fields that do not change the
+server cannot honour yet (logit_bias, suffix, audio, ...) are rejected with a 400 that names
+them, never ignored. Structured output: `response_format` (text, json_object, json_schema) and
+SGLang's `json_schema` / `regex` / `ebnf` become the sampling parameters of the same names
+(jaxspec/grammar.py); `tools` / `tool_choice` are in server/tools.py. Fields that do not change the
 output (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`) are accepted. Fields
 no API defines are ignored, as OpenAI-compatible servers do, and logged.
 """
@@ -16,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from jaxspec.errors import JaxspecError
+from server import tools
 from jaxspec.logprobs import MAX_TOP_LOGPROBS
 from jaxspec.sampling import (
     INT32_MAX,
@@ -25,6 +28,7 @@ from jaxspec.sampling import (
     Stop,
     StopTokenIds,
     TokenId,
+    MAX_GRAMMAR_CHARS,
     TopK,
     sampling_params_schema,
 )
@@ -42,6 +46,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+MAX_TOOLS = 128  # tools per request, and tool calls per message
 MAX_CHOICES = 256  # prompts x n of one request: each is a scheduler request (--max-queued-requests bounds them too)
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 
@@ -70,6 +75,16 @@ class _OpenAICommon(_Body):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None
     speculative: bool = Field(True, description="jaxspec extension: false decodes this request without speculation")
+    # SGLang's constrained-decoding extensions (at most one, and not with response_format)
+    json_schema: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | dict[str, Any] | None = Field(
+        None, description="SGLang extension: the output is JSON that fits this JSON Schema"
+    )
+    regex: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = Field(
+        None, description="SGLang extension: the output fully matches this regular expression"
+    )
+    ebnf: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = Field(
+        None, description="SGLang extension: the output follows this grammar (GBNF or Lark)"
+    )
     # accepted, no effect on the output
     user: Annotated[str, Field(max_length=4096)] | None = None
     metadata: dict[str, Any] | None = None
@@ -81,6 +96,11 @@ class _OpenAICommon(_Body):
         if self.logit_bias:
             raise _unsupported("logit_bias", "logit_bias")
         return self
+
+    def constraint(self) -> dict[str, Any]:
+        """Sampling parameters that constrain the output beyond the fields above (chat requests:
+        response_format and tools)."""
+        return {}
 
     def sampling(self, default_max: int | None) -> SamplingParams:
         d = dict(
@@ -97,7 +117,11 @@ class _OpenAICommon(_Body):
             repetition_penalty=self.repetition_penalty,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
+            json_schema=self.json_schema,
+            regex=self.regex,
+            ebnf=self.ebnf,
         )
+        d.update(self.constraint())
         if d["top_k"] == 0:
             d["top_k"] = -1  # some clients send 0 for "off"
         return SamplingParams.from_dict(d)
@@ -120,14 +144,8 @@ class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: Annotated[str, Field(max_length=256)] | None = None
-    tool_calls: list[Any] | None = None
-    tool_call_id: str | None = None
-
-    @model_validator(mode="after")
-    def _no_tool_calls(self):
-        if self.tool_calls:
-            raise _unsupported("messages.tool_calls", "tool calling")
-        return self
+    tool_calls: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -137,14 +155,53 @@ class ChatMessage(_Body):
         return "".join(p.text or "" for p in self.content)
 
 
+class JsonSchemaFormat(_Body):
+    name: Annotated[str, Field(max_length=256)] = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None  # the output always fits the schema, strict or not
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise JaxspecError("response_format: type json_schema needs a json_schema object ({name, schema})")
+        return self
+
+
+class FunctionDef(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: Annotated[str, Field(max_length=64)]
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_OpenAICommon):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
@@ -158,14 +215,11 @@ class ChatCompletionRequest(_OpenAICommon):
     def _refuse_unsupported_chat(self):
         if self.top_logprobs and not self.logprobs:
             raise JaxspecError("top_logprobs: needs logprobs: true")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise _unsupported(
-                "response_format", f"response_format {self.response_format.get('type')!r} (structured output)"
-            )
-        if self.tools or self.functions:
-            raise _unsupported("tools", "tools / function calling")
-        if self.tool_choice not in (None, "none", "auto") or self.function_call not in (None, "none", "auto"):
-            raise _unsupported("tool_choice", "tool_choice")
+        given = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+        if self.response_format is not None and self.response_format.type != "text" and given:
+            raise JaxspecError(f"response_format and {given[0]} both constrain the output; pass one")
+        if self.functions or self.function_call not in (None, "none", "auto"):
+            raise _unsupported("functions", "the deprecated functions / function_call (use tools / tool_choice)")
         if self.audio is not None or (self.modalities and self.modalities != ["text"]):
             raise _unsupported("modalities", "audio output")
         if self.prediction is not None:
@@ -184,6 +238,20 @@ class ChatCompletionRequest(_OpenAICommon):
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return super().sampling(default_max)
+
+    def constraint(self) -> dict[str, Any]:
+        rf = self.response_format
+        forced = tools.constraint(tools.plan(self))
+        if forced:
+            if rf is not None and rf.type != "text":
+                raise JaxspecError("response_format cannot be combined with a tool_choice that forces a tool call")
+            return forced
+        if rf is None or rf.type == "text":
+            return {}
+        if rf.type == "json_object":
+            return {"json_schema": {"type": "object"}}
+        assert rf.json_schema is not None
+        return {"json_schema": rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}}
 
     def conversation(self) -> list[dict]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
@@ -261,9 +329,8 @@ class GenerateRequest(_Body):
         n = self.sampling_params.get("n", 1)
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
             raise JaxspecError(f"sampling_params.n: must be an integer in [1, {MAX_CHOICES}]")
-        for key in ("json_schema", "regex", "ebnf", "structural_tag"):
-            if self.sampling_params.get(key) is not None:
-                raise _unsupported(f"sampling_params.{key}", "constrained decoding (json_schema / regex / ebnf)")
+        if self.sampling_params.get("structural_tag") is not None:
+            raise _unsupported("sampling_params.structural_tag", "structural_tag (use json_schema, regex or ebnf)")
         return self
 
     @property
