@@ -18,20 +18,20 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from jaxspec.errors import JaxspecError
-from server import tools
 from jaxspec.logprobs import MAX_TOP_LOGPROBS
 from jaxspec.sampling import (
     INT32_MAX,
+    MAX_GRAMMAR_CHARS,
     Count,
     SamplingParams,
     Seed,
     Stop,
     StopTokenIds,
     TokenId,
-    MAX_GRAMMAR_CHARS,
     TopK,
     sampling_params_schema,
 )
+from server import tools
 
 
 class _Body(BaseModel):
