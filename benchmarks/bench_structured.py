@@ -3,11 +3,12 @@ without speculation, side by side in one run (offline engine, one request at a t
 
     python benchmarks/bench_structured.py [--prompts 8] [--max-tokens 128] [--repeats 2]
 
-Four configurations of the default model (SmolLM2-135M-Instruct): plain free, plain constrained,
-shipped EAGLE-3 free, shipped EAGLE-3 constrained (adaptive speculation off, so both runs use
-the configured tree). Reported: output tokens per second (best of --repeats per prompt, summed),
-accept length, the share of constrained outputs that validate against the schema, and the host
-cost of the masks: llguidance's mask time per token, and the masks asked for per round.
+The default model (SmolLM2-135M-Instruct), free and constrained to a JSON schema: plain decoding,
+the shipped EAGLE-3 draft with its configured tree (adaptive speculation off), and with adaptive
+speculation (the default). Reported: decoding tokens per second (per prompt the best of --repeats
+runs less the best of the same request cut at its first token, so outputs of different lengths
+compare by decoding rate), accept length, how many finished constrained outputs validate against
+the schema, and llguidance's mask time per token.
 """
 
 from __future__ import annotations
@@ -50,23 +51,28 @@ def prompt(topic: str) -> str:
     return f"Describe {topic} as a JSON object with the keys title, author, year, genres and summary."
 
 
+def timed(eng, text, params):
+    t0 = time.perf_counter()
+    r = eng.chat([{"role": "user", "content": text}], params)
+    return time.perf_counter() - t0, r
+
+
 def run(eng, texts, params, repeats):
-    """(tokens, seconds, accept length, outputs): per prompt, the best of `repeats` runs."""
+    """(decode tokens, decode seconds, accept length, outputs). Per prompt, the best of `repeats`
+    runs, less the best of `repeats` runs of the same request cut at its first token (prefill and
+    first token), so that outputs of different lengths compare by their decoding rate alone."""
     toks = secs = rounds = 0
     outs = []
     for t in texts:
-        best = None
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            r = eng.chat([{"role": "user", "content": t}], params)
-            dt = time.perf_counter() - t0
-            best = dt if best is None else min(best, dt)
+        full = min(timed(eng, t, params)[0] for _ in range(repeats))
+        first = min(timed(eng, t, {**params, "max_new_tokens": 1})[0] for _ in range(repeats))
+        _, r = timed(eng, t, params)
         n = r["meta_info"]["completion_tokens"]
-        toks += n
-        secs += best
+        toks += n - 1
+        secs += max(full - first, 1e-9)
         rounds += r["meta_info"].get("spec_verify_ct") or n
-        outs.append(r["text"])
-    return toks, secs, toks / max(rounds, 1), outs
+        outs.append(r)
+    return toks, secs, sum(r["meta_info"]["completion_tokens"] for r in outs) / max(rounds, 1), outs
 
 
 def mask_cost(eng, texts, params, max_tokens):
@@ -77,11 +83,12 @@ def mask_cost(eng, texts, params, max_tokens):
 
     p = SamplingParams.from_dict(params)
     g = eng.grammar_of(p)
-    assert eng._grammars is not None
+    gs = eng._grammars
+    assert gs is not None and g is not None
     times = []
     for t in texts:
         r = eng.chat([{"role": "user", "content": t}], params)
-        m = eng._grammars.matcher(g)
+        m = gs.matcher(g)
         bm = lnp.allocate_token_bitmask(1, eng.cfg.vocab_size)
         for tok in r["output_ids"]:
             t0 = time.perf_counter()
@@ -95,7 +102,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     import jsonschema
 
@@ -107,8 +114,9 @@ def main():
     common = dict(show_progress=False, context_length=1024, max_running_requests=1)
     plain = jaxspec.Engine(speculative_algorithm="NONE", **common)
     spec = jaxspec.Engine(speculative_adaptive=False, **common)
+    adaptive = jaxspec.Engine(**common)  # the default: adaptive speculation on for the shipped draft
     print(f"# {machine()}", file=sys.stderr)
-    for eng in (plain, spec):  # compile every program once
+    for eng in (plain, spec, adaptive):  # compile every program once
         run(eng, texts[:1], free, 1)
         run(eng, texts[:1], cons, 1)
     rows = {}
@@ -117,25 +125,28 @@ def main():
         ("plain constrained", plain, cons),
         ("EAGLE-3 free", spec, free),
         ("EAGLE-3 constrained", spec, cons),
+        ("EAGLE-3 adaptive free", adaptive, free),
+        ("EAGLE-3 adaptive constrained", adaptive, cons),
     ]:
         toks, secs, acc, outs = run(eng, texts, params, args.repeats)
         valid = None
-        if "json_schema" in params:
-            valid = 0
-            for o in outs:
+        if "json_schema" in params:  # outputs cut by --max-tokens are not counted as invalid
+            done = [o for o in outs if o["meta_info"]["finish_reason"]["type"] == "stop"]
+            valid = [0, len(done)]
+            for o in done:
                 try:
-                    jsonschema.validate(json.loads(o), SCHEMA)
-                    valid += 1
+                    jsonschema.validate(json.loads(o["text"]), SCHEMA)
+                    valid[0] += 1
                 except (json.JSONDecodeError, jsonschema.ValidationError):
                     pass
         rows[name] = dict(tokens=toks, seconds=secs, tok_s=toks / secs, accept=acc, valid=valid)
         print(name, rows[name], file=sys.stderr)
     med, p99 = mask_cost(plain, texts, cons, args.max_tokens)
     r = rows
-    print("| configuration | tokens | tok/s | accept length | valid JSON |")
+    print("| configuration | decoded tokens | decode tok/s | accept length | valid JSON / finished |")
     print("|---|---|---|---|---|")
     for name, x in rows.items():
-        v = "" if x["valid"] is None else f"{x['valid']}/{len(texts)}"
+        v = "" if x["valid"] is None else f"{x['valid'][0]}/{x['valid'][1]}"
         print(f"| {name} | {x['tokens']} | {x['tok_s']:.1f} | {x['accept']:.2f} | {v} |")
     print()
     print(f"constrained / free, plain: {r['plain constrained']['tok_s'] / r['plain free']['tok_s']:.3f}")

@@ -292,6 +292,12 @@ class Engine:
             self._grammars = Grammars(self.tokenizer, self.cfg.vocab_size, eos)
         return self._grammars.check(p)
 
+    def open_grammar(self, grammar: str) -> int:
+        """A matcher for a grammar that grammar_of returned, registered for the device programs:
+        its handle (jaxspec/grammar.py; close it with grammar.close_handle)."""
+        assert self._grammars is not None, "grammar_of validates a grammar first"
+        return self._grammars.open(grammar)
+
     def feed_ngram_corpus(self, sequences: list[list[int]]) -> None:
         """NGRAM: appends finished requests (prompt + output ids) to the shared n-gram text."""
         if self._corpus is None:
@@ -309,9 +315,7 @@ class Engine:
     ) -> list[dict]:
         handles = None
         if grammars is not None and any(g is not None for g in grammars):
-            assert self._grammars is not None
-            gs = self._grammars
-            handles = [-1 if g is None else grammar.open_handle(gs.matcher(g), self.cfg.vocab_size) for g in grammars]
+            handles = [-1 if g is None else self.open_grammar(g) for g in grammars]
         try:
             return self._run_batch_with(ids, params, spec_on, lp, handles)
         finally:

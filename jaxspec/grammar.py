@@ -9,9 +9,10 @@ Where masks come from. A request's matcher lives on the host (`Matchers`, one pe
 by an int handle that travels in `SamplingTensors.grammar`). The device programs ask for masks
 with `jax.pure_callback` at the points where a token is chosen:
   plain decoding     the next token of each slot (one mask per slot);
-  draft growth       each beam's children (the draft proposes only allowed tokens, so a token the
-                     grammar forces is proposed at probability 1: forced tokens cost no draft
-                     accuracy and are accepted whenever the target agrees, which it must);
+  draft growth       each beam's children (the draft proposes only allowed tokens; a token the
+                     grammar forces is proposed at probability 1, even one outside the draft's
+                     vocabulary, so forced stretches such as JSON keys are accepted a whole tree
+                     depth per round: jump-forward inside the round);
   verification       every tree node, from the grammar state reached along that node's own path;
                      the target's logits are masked before acceptance, so greedy output equals
                      constrained plain decoding and sampling draws from the constrained target.
@@ -31,6 +32,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import logging
 import threading
 from typing import Any
 
@@ -43,6 +45,7 @@ from jaxspec.sampling import MAX_GRAMMAR_CHARS
 
 KINDS = ("json_schema", "regex", "ebnf")  # SGLang's sampling parameters, at most one per request
 WORD = 32  # tokens per mask word
+logger = logging.getLogger("jaxspec")
 
 
 def _limits():
@@ -136,6 +139,10 @@ class Grammars:
             raise JaxspecError(f"invalid {kind}: {msgs[0].strip()}")
         return grammar
 
+    def open(self, grammar: str) -> int:
+        """A new matcher for `grammar`, registered: its handle (close it with close_handle)."""
+        return open_handle(self.matcher(grammar), self.tok)
+
     def matcher(self, grammar: str):
         import llguidance
 
@@ -146,19 +153,38 @@ class Grammars:
 
 
 class _Entry:
-    def __init__(self, matcher, words: int):
+    def __init__(self, matcher, tokenizer=None):
         self.matcher = matcher
+        self.tokenizer = tokenizer  # llguidance's LLTokenizer, for forced_token
         self.consumed = 0  # output tokens the matcher has consumed
-        self.words = words
         self.lock = threading.Lock()
+
+    def forced_token(self, mask_row) -> int:
+        """Where the grammar forces the next bytes (a JSON key, punctuation), the first token of
+        their tokenization, if the mask allows it; else -1. llguidance's own fast-forward tokens
+        stop wherever the tokenization is ambiguous (`":"` or `":` then `"`), but a draft is only
+        a guess: the usual tokenization is the one a model writes."""
+        ff = self.matcher.compute_ff_bytes()
+        if not ff or self.tokenizer is None:
+            return -1
+        toks = self.tokenizer.tokenize_bytes(ff)
+        if not toks:
+            return -1
+        t = toks[0]
+        return t if (int(mask_row[t // WORD]) >> (t % WORD)) & 1 else -1
 
     def advance(self, tokens, upto: int, first: int) -> None:
         """Consumes output tokens [consumed, upto); tokens[i] is output token first + i."""
-        if upto > self.consumed:
-            new = [int(t) for t in tokens[self.consumed - first : upto - first]]
-            if self.consumed >= first and len(new) == upto - self.consumed:
-                self.matcher.consume_tokens(new)
-                self.consumed = upto
+        if upto <= self.consumed:
+            return
+        if self.consumed < first or upto - first > len(tokens):  # would mean a missed sync: never silent
+            logger.error(
+                "grammar matcher at token %d cannot see tokens %d..%d: masks are stale", self.consumed, first, upto
+            )
+            return
+        if not self.matcher.consume_tokens([int(t) for t in tokens[self.consumed - first : upto - first]]):
+            logger.error("grammar matcher rejected an emitted token: %s", self.matcher.get_error())
+        self.consumed = upto
 
 
 _entries: dict[int, _Entry] = {}
@@ -166,11 +192,12 @@ _ids = itertools.count()
 _lock = threading.Lock()
 
 
-def open_handle(matcher, vocab_size: int) -> int:
-    """Registers a request's matcher; the returned handle goes into SamplingTensors.grammar."""
+def open_handle(matcher, tokenizer=None) -> int:
+    """Registers a request's matcher (tokenizer: its LLTokenizer, for forced-token drafts); the
+    returned handle goes into SamplingTensors.grammar."""
     h = next(_ids) % (2**31 - 1)
     with _lock:
-        _entries[h] = _Entry(matcher, -(-vocab_size // WORD))
+        _entries[h] = _Entry(matcher, tokenizer)
     return h
 
 
@@ -179,26 +206,14 @@ def close_handle(h: int) -> None:
         _entries.pop(h, None)
 
 
-def commit(h: int, tokens, upto: int, first: int) -> None:
-    """Host side: tells the matcher of handle h the output tokens up to `upto` (tokens[i] is output
-    token first + i; tokens the matcher has already consumed are skipped)."""
-    e = _entries.get(h)
-    if e is not None:
-        with e.lock:
-            e.advance(tokens, upto, first)
-
-
-def is_complete(h: int) -> bool:
-    """Whether the request's output so far is a complete match (its grammar accepts it)."""
-    e = _entries.get(h)
-    return e is not None and (e.matcher.is_accepting() or e.matcher.is_stopped())
-
-
 def _host_masks(n_words, invalid_allows, handles, out, base, num_out, done, paths, plen):
     """The pure_callback body. handles/base/num_out/done [B]; out [B, W]; paths [B, P, D];
-    plen [B, P] -> bitmask [B, P, n_words] int32 (bit t % 32 of word t // 32: token t allowed)."""
+    plen [B, P] -> (bitmask [B, P, n_words] int32 (bit t % 32 of word t // 32: token t allowed),
+    forced [B, P] int32: when drafting, the first of the tokens the grammar forces after the path
+    (llguidance's fast-forward tokens: the canonical tokenization of forced text), or -1)."""
     b, p = plen.shape
     res = np.full((b, p, n_words), -1, np.int32)
+    forced = np.full((b, p), -1, np.int32)
     fill = np.int32(-1) if invalid_allows else np.int32(0)
     for r in range(b):
         e = _entries.get(int(handles[r]))
@@ -213,13 +228,15 @@ def _host_masks(n_words, invalid_allows, handles, out, base, num_out, done, path
                 if got == n and not m.is_error():
                     row = res[r, i]
                     m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-                    if invalid_allows and not row.any():  # a finished grammar: nothing to verify
+                    if not invalid_allows:  # drafting: a guess at the next token where text is forced
+                        forced[r, i] = e.forced_token(row)
+                    elif not row.any():  # a finished grammar: nothing to verify
                         row[:] = -1
                 else:
                     res[r, i] = fill
                 if got:
                     m.rollback(got)
-    return res
+    return res, forced
 
 
 def allowed(handles, state, paths, plen, vocab: int, ids=None, invalid_allows: bool = True):
@@ -227,14 +244,15 @@ def allowed(handles, state, paths, plen, vocab: int, ids=None, invalid_allows: b
     decoding state (out, num_out, base, done); paths [B, P, D] int32 target tokens after the last
     emitted one, plen [B, P] their lengths; vocab: the target's vocabulary size; ids [V'] the
     target ids to report (default: the whole vocabulary; a draft passes its vocabulary's target
-    ids). Returns bool [B, P, V']. A path the grammar rejects allows every token
+    ids). Returns (bool [B, P, V'], forced [B, P] int32: drafting only, the target token the
+    grammar forces after the path, or -1). A path the grammar rejects allows every token
     (invalid_allows: verification, where such a node is never reached) or none (drafting)."""
     b, p = plen.shape
     n_words = -(-vocab // WORD)
     base = state.base if state.base is not None else jnp.zeros_like(state.num_out)
-    bits = jax.pure_callback(
+    bits, forced = jax.pure_callback(
         functools.partial(_host_masks, n_words, invalid_allows),
-        jax.ShapeDtypeStruct((b, p, n_words), jnp.int32),
+        (jax.ShapeDtypeStruct((b, p, n_words), jnp.int32), jax.ShapeDtypeStruct((b, p), jnp.int32)),
         handles,
         state.out,
         base,
@@ -247,7 +265,7 @@ def allowed(handles, state, paths, plen, vocab: int, ids=None, invalid_allows: b
     if ids is None:
         ids = jnp.arange(vocab, dtype=jnp.int32)
     word = jnp.take(bits, ids // WORD, axis=-1)  # [B, P, V']
-    return ((word >> (ids % WORD)) & 1).astype(bool)
+    return ((word >> (ids % WORD)) & 1).astype(bool), forced
 
 
 def _host_sync(handles, out, base, num_out):
@@ -309,6 +327,6 @@ def mask_logits(logits, handles, state, paths=None, plen=None):
     if paths is None:
         paths = jnp.zeros((b, p, 1), jnp.int32)
         plen = jnp.zeros((b, p), jnp.int32)
-    ok = allowed(handles, state, paths, plen, v)
+    ok, _ = allowed(handles, state, paths, plen, v)
     logits = jnp.where(ok, logits, -jnp.inf)
     return logits[:, 0] if squeeze else logits

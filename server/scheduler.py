@@ -693,11 +693,7 @@ class Scheduler:
             for r in reqs:
                 grammar.close_handle(self._slot_handle.pop(r.slot, -1))
                 if r.grammar is not None:
-                    gs = eng._grammars
-                    assert gs is not None
-                    r.handle = self._slot_handle[r.slot] = grammar.open_handle(
-                        gs.matcher(r.grammar), eng.cfg.vocab_size
-                    )
+                    r.handle = self._slot_handle[r.slot] = eng.open_grammar(r.grammar)
             handles = [r.handle for r in reqs]
         st = SamplingTensors.build(params, seeds, handles)
         stops = np.full((n, self.num_stop), -1, np.int32)

@@ -17,7 +17,7 @@ import re
 import numpy as np
 import pytest
 
-from helpers import KEY, chi2_pvalue, model_dirs, start  # noqa: F401 - model_dirs is a fixture
+from helpers import KEY, chi2_pvalue, model_dirs, save_eagle_head, start  # noqa: F401 - model_dirs is a fixture
 
 PERSON = {
     "type": "object",
@@ -50,6 +50,27 @@ def engines(model_dirs):  # noqa: F811
     return plain, spec
 
 
+@pytest.fixture(scope="module")
+def eagle3(model_dirs, tmp_path_factory):  # noqa: F811
+    """An EAGLE-3 head with a 4,096-token draft vocabulary: draft masks go through its token map."""
+    import jaxspec
+
+    with open(f"{model_dirs['target']}/config.json") as f:
+        cfg = json.load(f)
+    head = save_eagle_head(
+        tmp_path_factory.mktemp("eagle3"), "EAGLE3", cfg, seed=1, draft_vocab=4096, scale=4.0, aux_layer_ids=[-1, 0, 1]
+    )
+    spec = {**SPEC, "speculative_algorithm": "EAGLE3"}
+    return jaxspec.Engine(
+        model_dirs["target"],
+        speculative_draft_model_path=head,
+        show_progress=False,
+        context_length=256,
+        max_running_requests=4,
+        **spec,
+    )
+
+
 def _check(kind, text):
     import jsonschema
 
@@ -62,16 +83,17 @@ def _check(kind, text):
 
 
 @pytest.mark.parametrize("kind,spec", [("json_schema", json.dumps(PERSON)), ("regex", REGEX), ("ebnf", EBNF)])
-def test_greedy_constrained_speculation_identical_and_valid(engines, kind, spec):
+def test_greedy_constrained_speculation_identical_and_valid(engines, eagle3, kind, spec):
     plain, specd = engines
     params = {"temperature": 0, "max_new_tokens": 64, kind: spec}
     msgs = [[{"role": "user", "content": p}] for p in PROMPTS]
     a = plain.chat(msgs, params)
     b = specd.chat(msgs, params)
-    for x, y in zip(a, b):
+    c = eagle3.chat(msgs, params)
+    for x, y, z in zip(a, b, c):
         assert x["meta_info"]["finish_reason"]["type"] == "stop", x
         _check(kind, x["text"])
-        assert x["output_ids"] == y["output_ids"]
+        assert x["output_ids"] == y["output_ids"] == z["output_ids"]
     # a batch mixing constrained and free requests: the free ones are untouched by the masks
     free = {"temperature": 0, "max_new_tokens": 16}
     mixed = specd.chat(msgs[:2], [params, free])

@@ -57,24 +57,36 @@ def grow(
     step_fn(tokens [B, k], hidden [B, k, Hd] | None, depth j, local_mask [B, k, W], offset) ->
         (probs [B, k, Vd], hidden_out [B, k, Hd] | None); it writes the beams' draft KV at region
         column offset + slot. Region column 0 holds the root when root_in_region (STANDALONE).
-    mask_fn(paths [B, P, D] target tokens after x_L, lengths [B, P]) -> bool [B, P, Vd]: the draft
-        tokens allowed after each path (constrained decoding); each distribution is masked and
-        renormalised, so a token the grammar forces gets probability 1.
+    mask_fn(paths [B, P, D] target tokens after x_L, lengths [B, P]) -> (bool [B, P, Vd], forced
+        [B, P]): the draft tokens allowed after each path, and the target token the grammar forces
+        there or -1 (constrained decoding). Each distribution is masked and renormalised; a forced
+        token becomes the first child with probability 1 (also when the draft vocabulary lacks
+        it), the others get 0. Siblings stay distinct tokens, which lossless verification needs.
     """
     b = root_probs.shape[0]
     k = topk
 
-    def constrain(probs, paths, plen):  # probs [B, P, Vd]
-        if mask_fn is None:
-            return probs
-        p = jnp.where(mask_fn(paths, plen), probs, 0.0)
-        return p / jnp.maximum(jnp.sum(p, -1, keepdims=True), 1e-30)
+    def children(probs, paths, plen):  # probs [B, P, Vd] -> top-k (probabilities, target tokens)
+        forced = None
+        if mask_fn is not None:
+            ok, forced = mask_fn(paths, plen)
+            probs = jnp.where(ok, probs, 0.0)
+            probs = probs / jnp.maximum(jnp.sum(probs, -1, keepdims=True), 1e-30)
+        p, ids = jax.lax.top_k(probs, k)
+        tok = to_target(ids).astype(jnp.int32)
+        if forced is not None:  # forced first; a sibling that already held it takes the old first
+            first = jnp.arange(k) == 0
+            is_f, f = forced[..., None] >= 0, forced[..., None]
+            moved = jnp.where(first, f, jnp.where(tok == f, tok[..., :1], tok))
+            tok = jnp.where(is_f, moved, tok)
+            p = jnp.where(is_f, first.astype(p.dtype), p)
+        return p, tok
 
-    root_probs = constrain(root_probs[:, None], jnp.zeros((b, 1, 1), jnp.int32), jnp.zeros((b, 1), jnp.int32))[:, 0]
     r = int(root_in_region)
     w = max(r + (num_steps - 1) * k, 1)
-    p0, ids0 = jax.lax.top_k(root_probs, k)  # [B, k]
-    toks = [to_target(ids0).astype(jnp.int32)]
+    p0, tok0 = children(root_probs[:, None], jnp.zeros((b, 1, 1), jnp.int32), jnp.zeros((b, 1), jnp.int32))
+    p0, tok0 = p0[:, 0], tok0[:, 0]  # [B, k]
+    toks = [tok0]
     scores = [p0]
     parents = [jnp.full((b, k), -1, jnp.int32)]
     beam_cand = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # candidate index of each beam
@@ -88,10 +100,9 @@ def grow(
     for j in range(1, num_steps):
         offset = r + (j - 1) * k
         probs, hidden = step_fn(beam_tok, beam_hidden, j, beam_anc, offset)
-        probs = constrain(probs, beam_path, jnp.full((b, k), j, jnp.int32))
-        p, ids = jax.lax.top_k(probs, k)  # [B, k(beam), k(child)]
+        p, tok = children(probs, beam_path, jnp.full((b, k), j, jnp.int32))  # [B, k(beam), k(child)]
         child_score = (beam_score[:, :, None] * p).reshape(b, k * k)
-        child_tok = to_target(ids).reshape(b, k * k).astype(jnp.int32)
+        child_tok = tok.reshape(b, k * k)
         toks.append(child_tok)
         scores.append(child_score)
         parents.append(jnp.repeat(beam_cand, k, axis=1))

@@ -74,7 +74,9 @@ def sample_accept(tree: Tree, probs_at, coins, num_steps: int, thr_single, thr_a
         pc = jnp.where(is_child, jnp.take_along_axis(probs_at(cur), tree.tokens, 1), 0.0)  # [B, N]
         acc = jnp.cumsum(pc, axis=1)
         u = jnp.take_along_axis(coins, cur[:, None], 1)
-        ok = is_child & ((u <= acc / thr_acc[:, None]) | (pc >= thr_single[:, None]))
+        # pc > 0: a child the target cannot produce (filtered, or masked by a grammar) is never
+        # accepted, even by a coin of exactly 0
+        ok = is_child & (pc > 0) & ((u <= acc / thr_acc[:, None]) | (pc >= thr_single[:, None]))
         return jnp.any(ok, 1), jnp.argmax(ok, 1)
 
     cur, num, path = _walk(tree, num_steps, choose)
