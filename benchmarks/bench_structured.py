@@ -150,10 +150,10 @@ def main():
         print(f"| {name} | {x['tokens']} | {x['tok_s']:.1f} | {x['accept']:.2f} | {v} |")
     print()
     print(f"constrained / free, plain: {r['plain constrained']['tok_s'] / r['plain free']['tok_s']:.3f}")
-    print(f"constrained / free, EAGLE-3: {r['EAGLE-3 constrained']['tok_s'] / r['EAGLE-3 free']['tok_s']:.3f}")
-    print(
-        f"EAGLE-3 constrained / plain constrained: {r['EAGLE-3 constrained']['tok_s'] / r['plain constrained']['tok_s']:.3f}"
-    )
+    for x in ("EAGLE-3", "EAGLE-3 adaptive"):
+        print(f"constrained / free, {x}: {r[x + ' constrained']['tok_s'] / r[x + ' free']['tok_s']:.3f}")
+        print(f"{x} / plain, constrained: {r[x + ' constrained']['tok_s'] / r['plain constrained']['tok_s']:.3f}")
+        print(f"{x} / plain, free: {r[x + ' free']['tok_s'] / r['plain free']['tok_s']:.3f}")
     print(f"llguidance mask per token: median {med:.3f} ms, p99 {p99:.3f} ms")
 
 
