@@ -433,7 +433,10 @@ def create_app(
                             fin["finish_reason"] = "tool_calls"
                             delta = [{**c, "index": j} for j, c in enumerate(calls)]
                             c = chunk(i, None, None)
-                            c["choices"][0]["delta"] = {"content": content, "tool_calls": delta}
+                            c["choices"][0]["delta"] = {
+                                "tool_calls": delta,
+                                **({"content": content} if content else {}),
+                            }
                             yield sse(c)
                         elif content:
                             yield sse(chunk(i, content, None))

@@ -163,7 +163,7 @@ class JsonSchemaFormat(_Body):
 
 
 class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema"] = "text"
     json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
@@ -243,8 +243,10 @@ class ChatCompletionRequest(_OpenAICommon):
         rf = self.response_format
         forced = tools.constraint(tools.plan(self))
         if forced:
-            if rf is not None and rf.type != "text":
-                raise JaxspecError("response_format cannot be combined with a tool_choice that forces a tool call")
+            given = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+            if (rf is not None and rf.type != "text") or given:
+                what = given[0] if given else "response_format"
+                raise JaxspecError(f"{what} cannot be combined with a tool_choice that forces a tool call")
             return forced
         if rf is None or rf.type == "text":
             return {}

@@ -640,10 +640,19 @@ def check_output(text: str, n_tokens: int, reason: str, matched, body, what: str
     """At most the tokens asked for; cut before the first stop string, which a "stop" finish names."""
     cap = cap_of(body)
     assert cap is None or n_tokens <= cap, f"{what}: asked for {cap} tokens, got {n_tokens}"
-    assert reason in ("stop", "length"), f"{what}: finish reason {reason!r}"
+    assert reason in ("stop", "length", "tool_calls"), f"{what}: finish reason {reason!r}"
     stops = stops_of(body)
     assert not any(x in text for x in stops), f"{what}: the output {text!r} holds a stop string of {stops}"
     assert not isinstance(matched, str) or matched in stops, f"{what}: matched {matched!r}, not one of {stops}"
+
+
+def check_tool_calls(calls, what: str) -> None:
+    assert isinstance(calls, list) and calls, f"{what}: {calls}"
+    for t in calls:
+        assert t["type"] == "function" and isinstance(t["id"], str), f"{what}: {calls}"
+        assert isinstance(t["function"]["name"], str) and isinstance(t["function"]["arguments"], str), (
+            f"{what}: {calls}"
+        )
 
 
 def check_openai(raw: bytes, headers: dict, body: dict, chat: bool, what: str) -> None:
@@ -659,6 +668,8 @@ def check_openai(raw: bytes, headers: dict, body: dict, chat: bool, what: str) -
             for c in e["choices"]:
                 piece = c["delta"].get("content", "") if chat else c["text"]
                 assert isinstance(piece, str), f"{what}: {e}"
+                if chat and "tool_calls" in c["delta"]:
+                    check_tool_calls(c["delta"]["tool_calls"], what)
                 texts[c["index"]] += piece
                 fin[c["index"]] += [c] if c["finish_reason"] is not None else []
         assert texts and all(len(f) == 1 for f in fin.values()) and set(fin) == set(texts), f"{what}: {events[-3:]}"
@@ -679,6 +690,9 @@ def check_openai(raw: bytes, headers: dict, body: dict, chat: bool, what: str) -
     assert cap is None or u["completion_tokens"] <= cap * len(r["choices"]), f"{what}: {r}"
     for c in r["choices"]:
         out = c["message"]["content"] if chat else c["text"]
+        if chat and c["finish_reason"] == "tool_calls":  # a tool call: content is None or the text before it
+            check_tool_calls(c["message"]["tool_calls"], what)
+            out = out or ""
         assert isinstance(out, str), f"{what}: {r}"
         if chat:
             assert c["message"]["role"] == "assistant", f"{what}: {r}"
