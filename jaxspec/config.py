@@ -191,6 +191,13 @@ class NgramConfig:
         )
 
 
+def tree_capacity(num_steps: int, topk: int) -> int:
+    """Nodes an EAGLE-2 draft tree holds: the root, topk depth-1 candidates, and topk^2 more for
+    each further step (each of the topk beams proposes topk children); verification picks the best
+    num_draft_tokens - 1 of them."""
+    return 1 + topk + (num_steps - 1) * topk * topk
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     """SGLang's `--speculative-*` flags, resolved against the target and validated.
@@ -269,11 +276,24 @@ class SpecConfig:
             else:
                 llama = target is not None and target.model_type in LLAMA_FAMILY and algo != "STANDALONE"
                 num_steps, eagle_topk, num_draft_tokens = (5, 4, 8) if llama else (3, 1, 4)
-        if eagle_topk == 1 and num_draft_tokens != num_steps + 1:
+        cap = tree_capacity(num_steps, eagle_topk)
+        if eagle_topk == 1 and num_draft_tokens != cap:
             if warn:
                 msg = "speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 = %d when speculative_eagle_topk == 1"
-                log.warning(msg, num_steps + 1)
-            num_draft_tokens = num_steps + 1
+                log.warning(msg, cap)
+            num_draft_tokens = cap
+        elif num_draft_tokens > cap:
+            if warn:
+                log.warning(
+                    "speculative_num_draft_tokens=%d is more than the %d nodes a tree of speculative_num_steps=%d and "
+                    "speculative_eagle_topk=%d holds (1 + topk + (num_steps - 1) * topk^2); lowered to %d",
+                    num_draft_tokens,
+                    cap,
+                    num_steps,
+                    eagle_topk,
+                    cap,
+                )
+            num_draft_tokens = cap
         adaptive = shipped_tree is not None if a.speculative_adaptive is None else a.speculative_adaptive
         return cls(
             algo,

@@ -31,7 +31,7 @@ from flax import nnx
 
 from convert.sources import open_hf_dir
 from jaxspec import compile_cache, grammar
-from jaxspec.args import EngineArgs
+from jaxspec.args import EngineArgs, compatibility_notes
 from jaxspec.attention import resolve_backend
 from jaxspec.cache import KVCache
 from jaxspec.config import SpecConfig
@@ -43,6 +43,7 @@ from jaxspec.loader import LoadedModel, jnp_dtype, load
 from jaxspec.logprobs import MAX_TOP_LOGPROBS, top_k_for
 from jaxspec.models.llama import fuse_projections
 from jaxspec.models.mtp import mtp_layout
+from jaxspec.quant import quantize_model
 from jaxspec.requests import (
     TokenLogprobRows,
     bucket,
@@ -105,6 +106,8 @@ class Engine:
         logger.setLevel(args.log_level.upper())
         compile_cache.enable()
         args.validate()  # fail fast on bad flags, before loading
+        for note in compatibility_notes(args):
+            logger.warning(note)
         try:
             attention_backend = resolve_backend(args.attention_backend)
         except ValueError as e:
@@ -129,7 +132,8 @@ class Engine:
         self.params: Any
         check_heads(self.cfg, args.tp_size)
         model = nnx.clone(_loaded.model) if given and _fuse else _loaded.model
-        self.graphdef, self.params = nnx.split(fuse_projections(model, args.tp_size) if _fuse else model)
+        model = fuse_projections(model, args.tp_size) if _fuse else model
+        self.graphdef, self.params = nnx.split(quantize_model(model, args.quantization))
         self.kv_sharding = kv_sharding(self.mesh)
         self.params = shard_params(self.params, self.mesh)
         self.context_length = int(args.context_length or self.cfg.max_position_embeddings)
@@ -146,10 +150,16 @@ class Engine:
         self.dparams: dict[str, Any] | None = None
         if self.spec.enabled:
             self.proposer, self.dparams = load_proposer(self.spec, _loaded, args.dtype, show_progress)
-            self.proposer = dataclasses.replace(self.proposer, attention_backend=attention_backend)
-            if _fuse and "draft" in self.dparams:  # drafts are replicated: fused for one shard
-                draft: Any = self.proposer.graphdef
-                graphdef, self.dparams["draft"] = nnx.split(fuse_projections(nnx.merge(draft, self.dparams["draft"])))
+            try:
+                draft_backend = resolve_backend(args.speculative_draft_attention_backend or attention_backend)
+            except ValueError as e:
+                raise JaxspecError(str(e)) from None
+            self.proposer = dataclasses.replace(self.proposer, attention_backend=draft_backend)
+            draft_quant = args.speculative_draft_model_quantization or args.quantization
+            if "draft" in self.dparams and (_fuse or draft_quant):  # drafts are replicated: fused for one shard
+                draft: Any = nnx.merge(self.proposer.graphdef, self.dparams["draft"])
+                draft = fuse_projections(draft) if _fuse else draft
+                graphdef, self.dparams["draft"] = nnx.split(quantize_model(draft, draft_quant))
                 self.proposer = dataclasses.replace(self.proposer, graphdef=graphdef)
             self.dparams = replicate(self.dparams, self.mesh)
         self.adaptive = Adaptive(self.spec) if self.spec.adaptive else None

@@ -5,6 +5,7 @@ Linear kernels are [in, out] (models/llama.py):
   q_proj, k_proj, v_proj, gate_proj, up_proj   column split  kernel P(None, "tp"), bias P("tp")
   qkv_proj, gate_up_proj (fused, shard-major)  column split  kernel P(None, "tp"), bias P("tp")
   o_proj, down_proj                            row split     kernel P("tp", None), bias replicated
+  (quantized Linears' scale [out] is split like the bias)
   embed_tokens [V, H]                          vocab split   P("tp", None)
   lm_head kernel [H, V]                        vocab split   P(None, "tp")
   norms                                        replicated
@@ -62,9 +63,9 @@ def param_spec(path: tuple, shape: tuple, tp: int) -> P:
     name, parent = str(path[-1]), str(path[-2]) if len(path) > 1 else ""
     if name == "embed_tokens":
         spec = (AXIS, None)
-    elif parent == "lm_head" or (parent in COLUMN and name == "kernel"):
+    elif (parent == "lm_head" or parent in COLUMN) and name == "kernel":
         spec = (None, AXIS)
-    elif parent in COLUMN:  # bias [out]
+    elif parent == "lm_head" or parent in COLUMN:  # bias or quantization scale [out]
         spec = (AXIS,)
     elif parent in ROW and name == "kernel":
         spec = (AXIS, None)

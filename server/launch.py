@@ -10,7 +10,7 @@ import time
 
 import jax
 
-from jaxspec.args import EngineArgs, ServerArgs, from_namespace
+from jaxspec.args import EngineArgs, ServerArgs, compatibility_notes, from_namespace
 from jaxspec.engine import Engine
 from server.app import create_app
 from server.scheduler import Scheduler, warmup
@@ -29,6 +29,8 @@ def build(args, progress: bool = True):
     flags = from_namespace(EngineArgs, args)
     server = from_namespace(ServerArgs, args)
     server.validate()
+    for note in compatibility_notes(server):
+        logging.getLogger("jaxspec").warning(note)
     eng = Engine(flags, show_progress=progress)
     sched = Scheduler(
         eng,

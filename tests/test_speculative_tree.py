@@ -157,9 +157,12 @@ def test_speculative_config_defaults_and_validation():
     assert not resolve_spec(None).enabled and not resolve_spec("none").enabled
     s = resolve_spec("EAGLE", LLAMA, draft_model_path="d", num_steps=3, eagle_topk=1, num_draft_tokens=8)
     assert s.num_draft_tokens == 4  # topk 1 forces a chain
+    # SGLang's documented shapes: the tree holds 1 + topk + (num_steps - 1) * topk^2 nodes
+    for knobs, n in [((3, 4, 16), 16), ((5, 8, 64), 64), ((2, 2, 8), 7), ((1, 4, 8), 5), ((2, 2, 6), 6)]:
+        kw = dict(num_steps=knobs[0], eagle_topk=knobs[1], num_draft_tokens=knobs[2])
+        assert resolve_spec("EAGLE", LLAMA, draft_model_path="d", **kw).num_draft_tokens == n
     for kw, match in [
         (dict(num_steps=3), "all three"),
-        (dict(num_steps=2, eagle_topk=2, num_draft_tokens=6), "more than"),
         (dict(num_steps=0, eagle_topk=2, num_draft_tokens=2), ">= 1"),
         (dict(accept_threshold_acc=0.0), r"\(0, 1\]"),
     ]:

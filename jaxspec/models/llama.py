@@ -30,14 +30,19 @@ INIT_STD = 0.02
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel is [in, out] (HF weights are [out, in], transposed on load)."""
+    """y = x @ kernel (+ bias); kernel is [in, out] (HF weights are [out, in], transposed on load).
+    Quantized (jaxspec/quant.py): kernel int8 / float8 [in, out] and scale [out], y = (x @ kernel) * scale."""
 
     def __init__(self, din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs):
         self.kernel = nnx.Param(jax.random.normal(rngs.params(), (din, dout), dtype) * INIT_STD)
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
+        self.scale = None
 
     def __call__(self, x):
-        y = x @ self.kernel[...]
+        if self.scale is None:
+            y = x @ self.kernel[...]
+        else:  # the dequantisation fuses into the matmul's operand
+            y = (x @ self.kernel[...].astype(x.dtype)) * self.scale[...].astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]
 
     @classmethod

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxspec.config import SpecConfig
+from jaxspec.config import SpecConfig, tree_capacity
 
 BLOCK_ROUNDS = 8
 PRIOR_ROUNDS = 16.0  # a request's own rounds outweigh the prior once it has run more than this many
@@ -56,7 +56,9 @@ def shallower(spec: SpecConfig) -> SpecConfig | None:
     d = spec.num_steps // 2
     if d < 1:
         return None
-    return dataclasses.replace(spec, num_steps=d, num_draft_tokens=min(spec.num_draft_tokens, 1 + d * spec.eagle_topk))
+    return dataclasses.replace(
+        spec, num_steps=d, num_draft_tokens=min(spec.num_draft_tokens, tree_capacity(d, spec.eagle_topk))
+    )
 
 
 @dataclasses.dataclass

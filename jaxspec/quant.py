@@ -1,0 +1,68 @@
+"""Weight quantization of a loaded model: `--quantization` (target) and
+`--speculative-draft-model-quantization` (draft).
+
+Modes (weights only; activations, norms, embeddings, LM heads and the KV cache keep the model's dtype):
+  int8   symmetric int8 per output channel: w ≈ q * scale, q in [-127, 127], scale = max|w| / 127
+  fp8    float8 e4m3 per output channel:    w ≈ q * scale, scale = max|w| / 448 (e4m3's largest normal)
+  unquant (draft only) keep the draft unquantized under a quantized target
+
+Every `Linear` but LM heads gets an integer/fp8 `kernel` [in, out] and a float32 `scale` [out];
+`Linear.__call__` computes (x @ q) * scale, dequantising q to x's dtype inside the matmul's fusion.
+Quantizing after `fuse_projections` keeps one scale per fused output column, so the tensor-parallel
+split of qkv_proj / gate_up_proj (on whole heads / columns) splits the scales the same way
+(`sharding.param_spec`). Speculation stays lossless with respect to the quantized target: the
+target that verifies is the quantized one.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.errors import JaxspecError
+from jaxspec.models.llama import Linear
+
+MODES = ("int8", "fp8")
+DRAFT_MODES = (*MODES, "unquant")
+QMAX = {"int8": 127.0, "fp8": 448.0}
+QDTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+def quantize_weight(w, mode: str):
+    """w [in, out] float -> (q [in, out] int8 / float8_e4m3fn, scale [out] float32), w ≈ q * scale."""
+    wf = jnp.asarray(w, jnp.float32)
+    amax = jnp.max(jnp.abs(wf), axis=0)
+    scale = jnp.where(amax > 0, amax / QMAX[mode], 1.0)
+    q = wf / scale
+    if mode == "int8":
+        q = jnp.clip(jnp.round(q), -127, 127)
+    return q.astype(QDTYPE[mode]), scale.astype(jnp.float32)
+
+
+def check_mode(mode: str | None, draft: bool = False) -> None:
+    allowed = DRAFT_MODES if draft else MODES
+    if mode is not None and mode not in allowed:
+        flag = "--speculative-draft-model-quantization" if draft else "--quantization"
+        raise JaxspecError(f"{flag} must be one of {', '.join(allowed)}, got {mode!r}")
+
+
+def quantize_model(model: nnx.Module, mode: str | None) -> nnx.Module:
+    """In place: every Linear of `model` except LM heads quantized to `mode` (None / "unquant":
+    unchanged). Returns `model`."""
+    check_mode(mode, draft=True)
+    if mode in (None, "unquant"):
+        return model
+    for path, m in list(nnx.iter_graph(model)):
+        if not isinstance(m, Linear) or m.scale is not None or (path and path[-1] == "lm_head"):
+            continue
+        q, scale = quantize_weight(m.kernel[...], mode)
+        m.kernel = nnx.Param(q)
+        m.scale = nnx.data(nnx.Param(scale))
+    return model
+
+
+def weight_bytes(state) -> int:
+    """Bytes of every array in a parameter state (memory reports and benchmarks)."""
+    import jax
+
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state) if hasattr(x, "dtype"))

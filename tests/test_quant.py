@@ -1,0 +1,84 @@
+"""Weight quantization (jaxspec/quant.py): int8 / fp8 per-channel weights, quantized targets and
+drafts, speculation lossless with respect to the quantized target, and the tensor-parallel layout
+of the scales."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxspec.errors import JaxspecError
+from jaxspec.quant import quantize_weight
+from jaxspec.sharding import param_spec
+
+from helpers import GREEDY, PROMPTS, engine, models  # noqa: F401  (models: fixture)
+
+
+@pytest.mark.parametrize("mode,rel", [("int8", 0.5 / 127), ("fp8", 2.0**-4)])
+def test_quantize_weight_error_is_within_the_format_step(mode, rel):
+    w = np.random.default_rng(0).normal(size=(64, 48)).astype(np.float32)
+    w[:, 3] = 0.0  # an all-zero channel keeps scale 1 and dequantises to zeros
+    q, scale = quantize_weight(w, mode)
+    assert q.dtype == (jnp.int8 if mode == "int8" else jnp.float8_e4m3fn) and scale.shape == (48,)
+    back = np.asarray(q, np.float32) * np.asarray(scale)
+    amax = np.abs(w).max(0)
+    # int8: half a step of amax/127; e4m3 (3 mantissa bits): at most 2^-4 of the value, or a subnormal step
+    bound = amax * rel if mode == "int8" else np.maximum(np.abs(w) * rel, amax / 448 * 2.0**-9)
+    assert np.all(np.abs(back - w) <= bound + 1e-7)
+    assert np.all(back[:, 3] == 0)
+    assert np.abs(np.asarray(q, np.float32)).max() <= (127 if mode == "int8" else 448)
+
+
+def test_scales_split_like_the_bias_under_tensor_parallelism():
+    assert param_spec(("layers", 0, "self_attn", "qkv_proj", "scale"), (96,), 2) == P("tp")
+    assert param_spec(("layers", 0, "mlp", "down_proj", "scale"), (64,), 2) == P()
+    assert param_spec(("layers", 0, "self_attn", "qkv_proj", "kernel"), (64, 96), 2) == P(None, "tp")
+    assert param_spec(("lm_head", "kernel"), (64, 96), 2) == P(None, "tp")
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_quantized_target_close_and_speculation_lossless(models, mode):  # noqa: F811
+    ref = engine(models)
+    q = engine(models, quantization=mode)
+    qs = jnp.asarray([x.dtype for x in _leaves(q.params)].count(jnp.dtype(q_dtype(mode))))
+    assert int(qs) == 4 * 4  # 4 layers x (qkv, o, gate_up, down)
+    # next-token distributions stay close to the float model's
+    lp_ref = ref.generate(input_ids=PROMPTS, sampling_params=dict(GREEDY, max_new_tokens=1), return_logprob=True)
+    lp_q = q.generate(input_ids=PROMPTS, sampling_params=dict(GREEDY, max_new_tokens=1), return_logprob=True)
+    agree = [a["output_ids"] == b["output_ids"] for a, b in zip(lp_ref, lp_q)]
+    assert sum(agree) >= 3
+    # speculation verifies with the quantized target: token-identical to its own plain decoding,
+    # with a float draft ("unquant") and with a draft quantized like the target
+    plain = [r["output_ids"] for r in q.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    for draft_mode in ("unquant", None):
+        spec = engine(
+            models,
+            "EAGLE",
+            "eagle",
+            (3, 2, 4),
+            quantization=mode,
+            speculative_draft_model_quantization=draft_mode,
+        )
+        out = [r["output_ids"] for r in spec.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+        assert out == plain
+        draft_q = [x.dtype for x in _leaves(spec.dparams["draft"])].count(jnp.dtype(q_dtype(mode)))
+        assert (draft_q > 0) == (draft_mode is None)
+
+
+def test_quantization_flag_errors(models):  # noqa: F811
+    with pytest.raises(JaxspecError, match="int8, fp8"):
+        engine(models, quantization="int4")
+    with pytest.raises(JaxspecError, match="unquant"):
+        engine(models, "EAGLE", "eagle", (3, 2, 4), speculative_draft_model_quantization="q4")
+
+
+def q_dtype(mode):
+    return jnp.int8 if mode == "int8" else jnp.float8_e4m3fn
+
+
+def _leaves(state):
+    import jax
+
+    return jax.tree_util.tree_leaves(state)
