@@ -61,21 +61,72 @@ def _safetensors_reader(files: list[str]):
     from safetensors import SafetensorError, safe_open
 
     where: dict[str, object] = {}
+    fp8: dict[str, tuple[str, dict, int]] = {}  # name -> (file, header entry, data start): numpy cannot read F8
     for f in files:
         try:
             h = safe_open(f, framework="numpy")
             for n in h.keys():
                 where[n] = h
+            header, start = _safetensors_header(f)
+            fp8.update(
+                {n: (f, e, start) for n, e in header.items() if isinstance(e, dict) and e.get("dtype") == "F8_E4M3"}
+            )
         except (SafetensorError, OSError, ValueError) as e:
             raise JaxspecError(f"corrupt or truncated weights file {f}: {e}") from None
 
     def get(name: str) -> np.ndarray:
         try:
+            if name in fp8:
+                return _read_fp8(*fp8[name])
             return where[name].get_tensor(name)
         except (SafetensorError, OSError, ValueError) as e:
             raise JaxspecError(f"corrupt or truncated tensor {name!r}: {e}") from None
 
-    return list(where), get
+    names, get = list(where), get
+    return _dequantize_fp8(names, get) if fp8 else (names, get)
+
+
+def _safetensors_header(path: str) -> tuple[dict, int]:
+    """The JSON header of a .safetensors file and where its data starts."""
+    import json
+    import struct
+
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return json.loads(f.read(n)), 8 + n
+
+
+def _read_fp8(path: str, entry: dict, start: int) -> np.ndarray:
+    import ml_dtypes
+
+    lo, hi = entry["data_offsets"]
+    with open(path, "rb") as f:
+        f.seek(start + lo)
+        buf = f.read(hi - lo)
+    if len(buf) != hi - lo:
+        raise ValueError("truncated")
+    return np.frombuffer(buf, ml_dtypes.float8_e4m3fn).reshape(entry["shape"])
+
+
+def _dequantize_fp8(names: list[str], get):
+    """fp8 checkpoints (e4m3 `weight` with a float32 `weight_scale`, per tensor or per output channel
+    [out, 1], as llm-compressor / vLLM / SGLang write them): weights read back as float32 w = q * scale;
+    the engine quantizes them again (per output channel, which reproduces per-channel checkpoints)."""
+    import ml_dtypes
+
+    scaled = {n[: -len("_scale")] for n in names if n.endswith(".weight_scale")}
+    if any(n.endswith(".weight_scale_inv") for n in names):
+        raise JaxspecError("block-wise fp8 checkpoints (weight_scale_inv) are not supported yet")
+
+    def read(name: str) -> np.ndarray:
+        w = get(name)
+        if name in scaled:
+            scale = np.asarray(get(name + "_scale"), np.float32)
+            return w.astype(np.float32) * (scale.reshape(-1, 1) if scale.size > 1 else scale.reshape(()))
+        return w.astype(np.float32) if w.dtype == ml_dtypes.float8_e4m3fn else w
+
+    keep = [n for n in names if not n.endswith((".weight_scale", ".input_scale"))]
+    return keep, read
 
 
 def _torch_bin_reader(files: list[str]):

@@ -133,7 +133,9 @@ class Engine:
         check_heads(self.cfg, args.tp_size)
         model = nnx.clone(_loaded.model) if given and _fuse else _loaded.model
         model = fuse_projections(model, args.tp_size) if _fuse else model
-        self.graphdef, self.params = nnx.split(quantize_model(model, args.quantization))
+        # an fp8 checkpoint is served in fp8 unless --quantization says otherwise
+        self.quantization = args.quantization or _loaded.quantization
+        self.graphdef, self.params = nnx.split(quantize_model(model, self.quantization))
         self.kv_sharding = kv_sharding(self.mesh)
         self.params = shard_params(self.params, self.mesh)
         self.context_length = int(args.context_length or self.cfg.max_position_embeddings)
@@ -155,7 +157,7 @@ class Engine:
             except ValueError as e:
                 raise JaxspecError(str(e)) from None
             self.proposer = dataclasses.replace(self.proposer, attention_backend=draft_backend)
-            draft_quant = args.speculative_draft_model_quantization or args.quantization
+            draft_quant = args.speculative_draft_model_quantization or self.quantization
             if "draft" in self.dparams and (_fuse or draft_quant):  # drafts are replicated: fused for one shard
                 draft: Any = nnx.merge(self.proposer.graphdef, self.dparams["draft"])
                 draft = fuse_projections(draft) if _fuse else draft

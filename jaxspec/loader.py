@@ -34,6 +34,7 @@ class LoadedModel:
     tokenizer: object
     path: str
     source_kind: str  # "hf" (also jaxspec checkpoints) | "gguf"
+    quantization: str | None = None  # "fp8": the checkpoint was quantized so (its weights are read back dequantised)
 
 
 def resolve_model_path(model_path: str | None, progress: bool = True) -> str:
@@ -65,11 +66,13 @@ def load(
         desc=f"loading {os.path.basename(path.rstrip('/'))}",
         place=placer(mesh),
     )
+    qc = src.config.get("quantization_config") or {}
+    quant = "fp8" if str(qc.get("quant_method", "")).lower() in ("fp8", "fbgemm_fp8") else None
     if not with_tokenizer:
-        return LoadedModel(cfg, model, None, path, src.kind)
+        return LoadedModel(cfg, model, None, path, src.kind, quant)
     tokenizer = hf_tokenizer(tokenizer_path) if tokenizer_path else src.load_tokenizer()
     check_tokenizer(cfg, tokenizer, path)
-    return LoadedModel(cfg, model, tokenizer, path, src.kind)
+    return LoadedModel(cfg, model, tokenizer, path, src.kind, quant)
 
 
 def check_tokenizer(cfg: ModelConfig, tokenizer, path: str) -> None:

@@ -82,3 +82,42 @@ def _leaves(state):
     import jax
 
     return jax.tree_util.tree_leaves(state)
+
+
+def test_fp8_checkpoint_loads_and_is_served_in_fp8(models, tmp_path):  # noqa: F811
+    """A checkpoint in the public fp8 layout (as llm-compressor / vLLM / SGLang read it, written here
+    with torch): every linear `weight` as float8_e4m3fn [out, in] with a float32 `weight_scale`
+    [out, 1], `quantization_config.quant_method` "fp8". It loads, runs in fp8, and decodes exactly
+    as the float checkpoint quantized to fp8 by jaxspec."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = models["target"]
+    out = tmp_path / "fp8"
+    shutil.copytree(src, out)
+    (out / "model.safetensors").unlink()
+    tensors = load_file(f"{src}/model.safetensors")
+    fp8 = {}
+    for name, w in tensors.items():
+        if name.endswith("_proj.weight"):
+            scale = w.abs().amax(dim=1, keepdim=True).float() / 448.0
+            fp8[name] = (w / scale).to(torch.float8_e4m3fn)
+            fp8[name + "_scale"] = scale
+        else:
+            fp8[name] = w
+    save_file(fp8, str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (out / "config.json").write_text(json.dumps(cfg))
+
+    models_fp8 = dict(models, fp8=str(out))
+    eng = engine(models_fp8, target="fp8")
+    assert eng.quantization == "fp8"
+    assert any(x.dtype == jnp.float8_e4m3fn for x in _leaves(eng.params))
+    want = [
+        r["output_ids"] for r in engine(models, quantization="fp8").generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    ]
+    assert [r["output_ids"] for r in eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == want
