@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast lint format serve chat bench clean
+.PHONY: install test test-all lint format serve chat bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -19,7 +19,10 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
-test: install  ## the full CPU test suite
+test: install  ## the CPU test suite CI runs (under 15 minutes on 2 cores): everything but the tests marked slow
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-all: install  ## every test, the slow end-to-end checks included (about an hour on 2 cores)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: install  ## ruff (lint + format check) and mypy over the public API
@@ -30,9 +33,6 @@ lint: install  ## ruff (lint + format check) and mypy over the public API
 format: install  ## apply ruff's fixes and formatting
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
-
-test-fast: install  ## skip the slow end-to-end checks
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 SERVE_ARGS ?=
 serve: install  ## OpenAI-compatible server on http://127.0.0.1:30000: the default model + its shipped EAGLE-3 draft

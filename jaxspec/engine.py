@@ -136,6 +136,12 @@ class Engine:
         # an fp8 checkpoint is served in fp8 unless --quantization says otherwise
         self.quantization = args.quantization or _loaded.quantization
         self.graphdef, self.params = nnx.split(quantize_model(model, self.quantization))
+        if self.quantization and jax.default_backend() == "cpu":
+            logger.warning(
+                "%s weights on CPU: XLA:CPU converts them to float before each matmul, so decoding is slower "
+                "than float32 here (they save memory; the speed is for GPUs)",
+                self.quantization,
+            )
         self.kv_sharding = kv_sharding(self.mesh)
         self.params = shard_params(self.params, self.mesh)
         self.context_length = int(args.context_length or self.cfg.max_position_embeddings)

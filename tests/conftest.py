@@ -3,7 +3,10 @@ The helpers and constants test modules share are in tests/helpers.py."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
@@ -11,8 +14,12 @@ import pytest
 from helpers import FAMILIES, make_hf_model
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# compile in memory only (hermetic runs); tests/test_compile_cache.py turns the persistent cache on itself
-os.environ.setdefault("JAXSPEC_COMPILATION_CACHE", "off")
+# A persistent compilation cache private to this run (hermetic: it starts empty and is removed at
+# exit). Many tests start engines and servers over the same tiny models, and programs dropped to
+# free memory mappings (below) come back from it instead of compiling again; subprocesses share it.
+_CACHE = tempfile.mkdtemp(prefix="jaxspec-test-xla-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ.setdefault("JAXSPEC_COMPILATION_CACHE", _CACHE)
 
 
 def _memory_mappings() -> int:

@@ -113,7 +113,10 @@ def test_choice_follows_cost_and_acceptance():
 
 @pytest.mark.parametrize(
     "algo,draft,knobs,target",
-    [("STANDALONE", "target", (4, 1, 5), "target"), ("EAGLE3", "eagle3", (3, 2, 6), "target")],
+    [
+        pytest.param("STANDALONE", "target", (4, 1, 5), "target", marks=pytest.mark.slow),
+        ("EAGLE3", "eagle3", (3, 2, 6), "target"),
+    ],
 )
 def test_alternating_blocks_are_lossless(models, algo, draft, knobs, target):  # noqa: F811
     """Blocks cycle through the tree, plain steps and the shallower tree: greedy output equals plain
@@ -136,6 +139,7 @@ def test_alternating_blocks_are_lossless(models, algo, draft, knobs, target):  #
             assert [i for i, x in enumerate(hist) if x and i] == [half, steps], hist
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", [[-1], [-1, 0], [0, -1, 1]], ids=["off", "off-tree", "tree-off-shallower"])
 def test_plain_blocks_sample_the_target_distribution(models, order):  # noqa: F811
     """(t1, t2) of sampled requests follow the target distribution with speculation off or
@@ -170,6 +174,7 @@ def _serve(eng, prompts, params, order, slots=2, **kw):
     return [res[i] for i in range(len(prompts))], sched
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_server_dispatches_alternate_losslessly(models, overlap):  # noqa: F811
     """Server dispatches cycle through the tree shape, plain steps and the shallower tree: greedy
@@ -194,6 +199,7 @@ def test_server_dispatches_alternate_losslessly(models, overlap):  # noqa: F811
     assert st.shape_rounds[OFF] >= st.shape_dispatches[OFF]
 
 
+@pytest.mark.slow
 def test_server_measures_costs_and_acceptance(models, plain):  # noqa: F811
     """A real (unforced) adaptive scheduler measures a round of each candidate per batch size,
     collects each speculative request's acceptance (the target as its own draft accepts every
@@ -237,6 +243,7 @@ def test_server_measures_costs_and_acceptance(models, plain):  # noqa: F811
         assert shapes[label] > 0 and sum(shapes.values()) == r["meta_info"]["spec_verify_ct"]
 
 
+@pytest.mark.slow
 def test_server_candidate_programs_compile_in_the_background(models):  # noqa: F811
     """The twins of the start-up dispatches for the other candidates (plain steps, the shallower
     tree) are background programs, and a call runs another candidate only once a program of it is
@@ -261,6 +268,7 @@ def test_server_candidate_programs_compile_in_the_background(models):  # noqa: F
     assert Scheduler(engine(models, "EAGLE3", "eagle3", (3, 2, 6)), max_running_requests=2).adaptive is None
 
 
+@pytest.mark.slow
 def test_server_dispatch_programs_have_no_vocab_sort_and_no_branch(models):  # noqa: F811
     """Every kind of sampled server dispatch (tree rounds of either shape, plain steps) compiles to
     straight-line bodies: no sort over the vocabulary, no conditional."""

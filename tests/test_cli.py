@@ -23,6 +23,7 @@ def test_help(sub):
     assert r.returncode == 0 and "usage: jaxspec" in r.stdout
 
 
+@pytest.mark.slow
 def test_generate_json():
     r = run("generate", "--prompt", "The capital of France is", "--max-new-tokens", "5", "--json")
     assert r.returncode == 0, r.stderr
@@ -30,6 +31,7 @@ def test_generate_json():
     assert out["meta_info"]["completion_tokens"] == 5 and len(out["output_ids"]) == 5
 
 
+@pytest.mark.slow
 def test_interactive_reads_until_eof():
     r = run("generate", "--interactive", "--max-new-tokens", "4", input="hello\n")
     assert r.returncode == 0, r.stderr
@@ -52,6 +54,7 @@ def test_user_errors_are_one_line(args, match):
     assert len([ln for ln in r.stderr.splitlines() if ln.startswith("jaxspec: error")]) == 1
 
 
+@pytest.mark.slow
 def test_serve_bad_flags_are_one_line():
     r = run("serve", "--port", "0")
     assert r.returncode == 2 and "--port" in r.stderr and "Traceback" not in r.stderr
@@ -81,6 +84,7 @@ def test_bench_sweep(tmp_path):
     assert rows[1]["accept_length"] > 2.0 and rows[1]["tokens_per_s"] > 0  # self-draft accepts (nearly) everything
 
 
+@pytest.mark.slow
 def test_bench_rejects_partial_knobs():
     r = run("bench", "--steps", "3", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "x")
     assert r.returncode == 2 and "all three" in r.stderr
@@ -148,6 +152,7 @@ def test_train_draft_cli(tmp_path):
     assert json.loads(r.stdout)["meta_info"]["spec_verify_ct"] >= 1
 
 
+@pytest.mark.slow
 def test_train_draft_bad_data(tmp_path):
     r = run("train-draft", "--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "not found" in r.stderr

@@ -48,6 +48,7 @@ def test_greedy_logprobs_match_hf(models, algo):  # noqa: F811
         assert sum(r["meta_info"]["spec_verify_ct"] for r in res) < sum(len(r["output_ids"]) for r in res)
 
 
+@pytest.mark.slow
 def test_sampled_logprobs_use_the_temperature(models):  # noqa: F811
     eng = engine(models, "EAGLE", "eagle", knobs=(3, 2, 5))
     params = dict(temperature=0.7, max_new_tokens=16, ignore_eos=True, seed=3)
@@ -89,6 +90,7 @@ def test_logprob_arguments_are_checked(models):  # noqa: F811
     assert "output_token_logprobs" not in res["meta_info"]  # as SGLang: nothing without return_logprob
 
 
+@pytest.mark.slow
 def test_n_samples(models):  # noqa: F811
     """n samples per prompt: seeded ones reproducible, different from each other."""
     eng = engine(models, "EAGLE", "eagle", knobs=(3, 2, 5))

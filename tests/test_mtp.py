@@ -64,7 +64,7 @@ def gen(path, prompts=PROMPTS, sp=GREEDY, **kw):
 
 
 @pytest.mark.parametrize("name", ["llama-NEXTN", "qwen2-NEXTN", "qwen2-MIMO"])
-@pytest.mark.parametrize("knobs", [(3, 1, 4), (3, 2, 6)])
+@pytest.mark.parametrize("knobs", [(3, 1, 4), pytest.param((3, 2, 6), marks=pytest.mark.slow)])
 def test_mtp_from_the_target_checkpoint_is_lossless(models, name, knobs):
     fam = name.split("-")[0]
     _, plain = gen(models[f"{fam}-plain"])
@@ -98,6 +98,7 @@ def test_eagle_without_a_draft_or_mtp_module(models):
         Engine(models["llama-plain"], skip_tokenizer_init=True, show_progress=False, speculative_algorithm="EAGLE")
 
 
+@pytest.mark.slow
 def test_mtp_sampling_matches_target_distribution(models):
     prompt, temp, n = [3, 1, 4], 1.0, 4096
     probs = exact_pair_distribution(models["hf-llama"], prompt, temp)

@@ -149,6 +149,7 @@ def test_greedy_identical_to_plain(models, plain, kw):  # noqa: F811
     assert sum(r["meta_info"]["spec_verify_ct"] for r in again) < rounds
 
 
+@pytest.mark.slow
 def test_sampling_matches_target_distribution(models):  # noqa: F811
     prompt, temp, n = [3, 1, 4], 1.0, 4096
     probs = exact_pair_distribution(models["hf"], prompt, temp)
@@ -159,6 +160,7 @@ def test_sampling_matches_target_distribution(models):  # noqa: F811
     assert chi2_pvalue(sample_pairs(eng, prompt, n, temp), probs) > 1e-3
 
 
+@pytest.mark.slow
 def test_force_greedy_verify(models):  # noqa: F811
     """Sampling requests are verified greedily: after the first token (sampled from the prefill),
     every token is the target's argmax, i.e. the greedy continuation of prompt + first token."""

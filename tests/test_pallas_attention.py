@@ -147,7 +147,12 @@ def models(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "algo,draft,knobs", [(None, None, None), ("EAGLE3", "eagle3", (3, 4, 8)), ("STANDALONE", "small", (3, 2, 6))]
+    "algo,draft,knobs",
+    [
+        (None, None, None),
+        ("EAGLE3", "eagle3", (3, 4, 8)),
+        pytest.param("STANDALONE", "small", (3, 2, 6), marks=pytest.mark.slow),
+    ],
 )
 def test_engine_pallas_backend_token_identical(models, algo, draft, knobs, caplog):
     from jaxspec.engine import Engine

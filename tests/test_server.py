@@ -169,22 +169,22 @@ def test_stop_strings(spec_server):
         ("/generate", {"text": "hi", "sampling_params": {"stop_token_ids": [10**7]}}, 400, "stop_token_ids"),
         ("/generate", {"text": "hi", "sampling_params": {"repetition_penalty": [1, 2]}}, 400, "repetition_penalty"),
         ("/generate", {"text": "hi", "sampling_params": {"top_k": 2**40}}, 400, "top_k"),
-        ("/generate", {"text": "hi", "sampling_params": {"json_schema": "{}"}}, 400, "json_schema"),
+        ("/generate", {"text": "hi", "sampling_params": {"json_schema": "{not json"}}, 400, "json_schema"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": True}, 400, "logit_bias"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
         ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 2**70}, 400, "max_tokens"),
         (
             "/v1/chat/completions",
-            {"messages": CHAT, "response_format": {"type": "json_object"}},
+            {"messages": CHAT, "response_format": {"type": "json_schema"}},
             400,
             "response_format",
         ),
         (
             "/v1/chat/completions",
-            {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "g"},
             400,
-            "tools",
+            "tool_choice",
         ),
         ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 1}, 400, "top_logprobs"),
         (
@@ -423,6 +423,7 @@ def test_out_of_memory_is_a_clear_startup_error(model_dirs):  # noqa: F811
         start(model_dirs, mem_fraction_static=1e-9)
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_inflight_stream(model_dirs):  # noqa: F811
     p, port = serve_subprocess(
         [

@@ -220,6 +220,7 @@ def plain_greedy(dirs):
 # ---- 1. drafts are really accepted -----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_self_draft_accepts_every_draft_token(selfspec, plain_greedy):
     """Every round of the self-drafting chain emits S + 1 tokens; the counts are exact."""
     sched = selfspec.sched
@@ -470,6 +471,7 @@ def test_chunked_body_over_the_limit_is_413(selfspec):
     assert st == 200 and r["meta_info"]["completion_tokens"] == 2  # a chunked body under the limit is fine
 
 
+@pytest.mark.slow
 def test_every_route_but_health_needs_the_api_key(selfspec):
     app = selfspec.server.config.app
     routes = [(m, r.path) for r in app.routes if getattr(r, "methods", None) for m in r.methods if m in ("GET", "POST")]

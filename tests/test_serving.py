@@ -75,7 +75,15 @@ def reference(models):
     return [r["output_ids"] for r in engine(models).generate(input_ids=PROMPTS, sampling_params=GREEDY)]
 
 
-@pytest.mark.parametrize("algo,draft", [(None, None), ("EAGLE3", "eagle3"), ("STANDALONE", "small"), ("NGRAM", None)])
+@pytest.mark.parametrize(
+    "algo,draft",
+    [
+        (None, None),
+        ("EAGLE3", "eagle3"),
+        pytest.param("STANDALONE", "small", marks=pytest.mark.slow),
+        pytest.param("NGRAM", None, marks=pytest.mark.slow),
+    ],
+)
 def test_batched_greedy_identical_to_offline(models, reference, algo, draft):
     eng = engine(models, algo, draft)
     opt_out = [i % 2 == 1 for i in range(len(PROMPTS))]
@@ -92,6 +100,7 @@ def test_batched_greedy_identical_to_offline(models, reference, algo, draft):
     assert sched.running == 0 and sched.queue_depth == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo,draft", [(None, None), ("EAGLE3", "eagle3")])
 def test_seeded_sampling_matches_offline(models, algo, draft):
     eng = engine(models, algo, draft)
@@ -115,6 +124,7 @@ def test_stops_and_max_new(models, reference):
     assert out[2]["output_ids"] == []
 
 
+@pytest.mark.slow
 def test_cancel_frees_slot_and_stops_device_work(models, reference):
     eng = engine(models, "EAGLE3", "eagle3")
     sched = Scheduler(eng, max_running_requests=2)
@@ -150,6 +160,7 @@ def test_cancel_frees_slot_and_stops_device_work(models, reference):
     assert r.slot == gone.slot and other["result"]["output_ids"] == reference[1]
 
 
+@pytest.mark.slow
 def test_long_prompt_spans_several_chunks(models):
     eng = engine(models, "EAGLE3", "eagle3", context_length=200)
     prompt = [int(x) for x in np.random.default_rng(0).integers(0, V, 150)]
@@ -158,6 +169,7 @@ def test_long_prompt_spans_several_chunks(models):
     assert out[0]["output_ids"] == ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo,draft", [(None, None), ("EAGLE3", "eagle3")])
 def test_kv_span_grows_with_dispatches_in_flight(models, algo, draft):
     """Long outputs cross several KV-span buckets (64 -> 128 -> 256) while two dispatches are in
@@ -170,6 +182,7 @@ def test_kv_span_grows_with_dispatches_in_flight(models, algo, draft):
     assert [r["output_ids"] for r in out] == ref
 
 
+@pytest.mark.slow
 def test_long_prefill_interleaves_with_decoding(models):
     """A prompt of many chunks arriving while another request decodes is prefilled one chunk per
     dispatch (chunked prefill): the decoding request keeps streaming and finishes first; both
@@ -215,6 +228,7 @@ def test_long_prefill_interleaves_with_decoding(models):
     assert late.slot == doomed.slot  # it got the slot once the cancelled prefill let go
 
 
+@pytest.mark.slow
 def test_burst_admitted_a_prefill_budget_at_a_time(models, reference):
     """Requests arriving together while another decodes are prefilled up to --chunked-prefill-size
     prompt tokens per iteration (padding included), not one group per dispatch: with a budget of
@@ -244,6 +258,7 @@ def test_burst_admitted_a_prefill_budget_at_a_time(models, reference):
         assert res == {i: reference[i] for i in range(4)}
 
 
+@pytest.mark.slow
 def test_opted_out_sampling_matches_target_distribution(models):
     """Requests that turn speculation off on a speculative server sample inside the round
     (spec_round(plain=...)); their tokens 2 and 3 must follow the target distribution (chi-square)."""
@@ -295,7 +310,14 @@ def run_script(sched, script=SCRIPT):
     return res
 
 
-@pytest.mark.parametrize("algo,draft", [(None, None), ("EAGLE3", "eagle3"), ("NGRAM", None)])
+@pytest.mark.parametrize(
+    "algo,draft",
+    [
+        (None, None),
+        pytest.param("EAGLE3", "eagle3", marks=pytest.mark.slow),
+        pytest.param("NGRAM", None, marks=pytest.mark.slow),
+    ],
+)
 def test_prefix_cache_identical_outputs_less_prefill(models, algo, draft):
     """Prefix caching against the same requests with the cache off: second turns of two
     conversations taking turns (the first conversation's slot is taken by the second's first turn,
@@ -325,6 +347,7 @@ def test_prefix_cache_identical_outputs_less_prefill(models, algo, draft):
     assert st_on.prefill_tokens < 0.6 * st_off.prefill_tokens
 
 
+@pytest.mark.slow
 def test_prefix_cache_survives_exercise_and_flush(models):
     """A program run on free slots (a fresh background compile's first run) cuts the cached
     prefixes of the slots it overwrites; /flush_cache forgets them all; a request in a slot whose

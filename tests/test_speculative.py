@@ -39,9 +39,21 @@ CASES = [
     ("EAGLE3", "eagle3", (4, 2, 6)),
     ("EAGLE3", "eagle3", (3, 8, 12)),
 ]
+# make test runs one chain and a few trees of each kind; make test-all runs them all
+SLOW_CASES = {
+    ("STANDALONE", (3, 1, 4)),
+    ("STANDALONE", (4, 4, 8)),
+    ("STANDALONE", (3, 8, 16)),
+    ("EAGLE", (3, 1, 4)),
+    ("EAGLE3", (4, 2, 6)),
+}
+PARAMS = [
+    pytest.param(a, d, k, id=f"{a}-{k[0]}-{k[1]}-{k[2]}", marks=[pytest.mark.slow] if (a, k) in SLOW_CASES else [])
+    for a, d, k in CASES
+]
 
 
-@pytest.mark.parametrize("algo,draft,knobs", CASES, ids=[f"{a}-{k[0]}-{k[1]}-{k[2]}" for a, _, k in CASES])
+@pytest.mark.parametrize("algo,draft,knobs", PARAMS)
 def test_greedy_identical_to_plain(models, plain, algo, draft, knobs):  # noqa: F811
     eng = engine(models, algo, draft, knobs)
     out = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
@@ -55,7 +67,9 @@ def test_greedy_identical_to_plain(models, plain, algo, draft, knobs):  # noqa: 
     assert single["output_ids"] == plain[len(PROMPTS[1])]
 
 
-@pytest.mark.parametrize("target,knobs", [("target", (4, 1, 5)), ("sharp", (4, 2, 8))])
+@pytest.mark.parametrize(
+    "target,knobs", [("target", (4, 1, 5)), pytest.param("sharp", (4, 2, 8), marks=pytest.mark.slow)]
+)
 def test_target_as_its_own_draft_accepts_everything(models, target, knobs):  # noqa: F811
     """The engine's ceiling: every draft token is accepted, so each round emits num_steps + 1.
 
@@ -114,7 +128,9 @@ def test_draft_errors(models, tmp_path):  # noqa: F811
         engine(models, "EAGLE", "eagle").generate(input_ids=[1, 2], sampling_params={"repetition_penalty": 1.2})
 
 
-@pytest.mark.parametrize("algo,draft", [("STANDALONE", "small"), ("EAGLE3", "eagle3")])
+@pytest.mark.parametrize(
+    "algo,draft", [pytest.param("STANDALONE", "small", marks=pytest.mark.slow), ("EAGLE3", "eagle3")]
+)
 def test_sampling_matches_target_distribution(models, algo, draft):  # noqa: F811
     prompt, temp, n = [3, 1, 4], 1.0, 4096
     probs = exact_pair_distribution(models["hf"], prompt, temp)
@@ -157,7 +173,10 @@ def test_convert_eagle_bin_checkpoint(models, plain, tmp_path):  # noqa: F811
     ]
 
 
-@pytest.mark.parametrize("algo,draft,knobs", [("EAGLE3", "eagle3", (3, 8, 12)), ("STANDALONE", "small", (3, 2, 6))])
+@pytest.mark.parametrize(
+    "algo,draft,knobs",
+    [("EAGLE3", "eagle3", (3, 8, 12)), pytest.param("STANDALONE", "small", (3, 2, 6), marks=pytest.mark.slow)],
+)
 def test_round_has_no_vocab_sort_and_no_branch(models, monkeypatch, algo, draft, knobs):  # noqa: F811
     """The compiled speculative program of a sampled batch (every filter on) holds no sort over the
     vocabulary and no conditional: its while loop runs straight-line rounds."""

@@ -82,7 +82,14 @@ def _check(kind, text):
         assert re.fullmatch(r"The answer is [ABC]\.", text), text
 
 
-@pytest.mark.parametrize("kind,spec", [("json_schema", json.dumps(PERSON)), ("regex", REGEX), ("ebnf", EBNF)])
+@pytest.mark.parametrize(
+    "kind,spec",
+    [
+        ("json_schema", json.dumps(PERSON)),
+        pytest.param("regex", REGEX, marks=pytest.mark.slow),
+        pytest.param("ebnf", EBNF, marks=pytest.mark.slow),
+    ],
+)
 def test_greedy_constrained_speculation_identical_and_valid(engines, eagle3, kind, spec):
     plain, specd = engines
     params = {"temperature": 0, "max_new_tokens": 64, kind: spec}

@@ -44,7 +44,7 @@ def target(tmp_path_factory):
     return str(d), loaded, hf.config.to_dict(), examples
 
 
-@pytest.mark.parametrize("algo", ["EAGLE3", "EAGLE"])
+@pytest.mark.parametrize("algo", ["EAGLE3", pytest.param("EAGLE", marks=pytest.mark.slow)])
 def test_training_improves_and_export_is_lossless(target, algo, tmp_path):
     path, loaded, cfg_dict, examples = target
     held, train = examples[:32], examples[32:]
@@ -129,6 +129,7 @@ def test_chat_data_and_masks(default_engine, tmp_path):
     assert 2 in vocab and len(vocab) == 8
 
 
+@pytest.mark.slow
 def test_regeneration_is_cached_and_resumes(default_engine, tmp_path):
     from jaxspec.train.data import regenerate
 
