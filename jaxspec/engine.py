@@ -131,10 +131,10 @@ class Engine:
         self.dtype = jnp_dtype(args.dtype)
         self.params: Any
         check_heads(self.cfg, args.tp_size)
-        model = nnx.clone(_loaded.model) if given and _fuse else _loaded.model
-        model = fuse_projections(model, args.tp_size) if _fuse else model
         # an fp8 checkpoint is served in fp8 unless --quantization says otherwise
         self.quantization = args.quantization or _loaded.quantization
+        model: Any = nnx.clone(_loaded.model) if given and (_fuse or self.quantization) else _loaded.model
+        model = fuse_projections(model, args.tp_size) if _fuse else model
         self.graphdef, self.params = nnx.split(quantize_model(model, self.quantization))
         if self.quantization and jax.default_backend() == "cpu":
             logger.warning(
@@ -165,7 +165,8 @@ class Engine:
             self.proposer = dataclasses.replace(self.proposer, attention_backend=draft_backend)
             draft_quant = args.speculative_draft_model_quantization or self.quantization
             if "draft" in self.dparams and (_fuse or draft_quant):  # drafts are replicated: fused for one shard
-                draft: Any = nnx.merge(self.proposer.graphdef, self.dparams["draft"])
+                graphdef: Any = self.proposer.graphdef
+                draft: Any = nnx.merge(graphdef, self.dparams["draft"])
                 draft = fuse_projections(draft) if _fuse else draft
                 graphdef, self.dparams["draft"] = nnx.split(quantize_model(draft, draft_quant))
                 self.proposer = dataclasses.replace(self.proposer, graphdef=graphdef)
