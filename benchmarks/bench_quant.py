@@ -23,6 +23,8 @@ import time
 import numpy as np
 from common import machine, mtbench_first_turns
 
+from jaxspec.quant import weight_bytes
+
 CONFIGS = {
     "f32": dict(dtype="float32"),
     "bf16": dict(dtype="bfloat16"),
@@ -69,15 +71,6 @@ def nll(eng, ids_list) -> float:
     return tot / cnt
 
 
-def weight_bytes(eng) -> tuple[int, int]:
-    import jax
-
-    def size(tree):
-        return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "dtype"))
-
-    return size(eng.params), size(eng.dparams or {})
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=10)
@@ -114,7 +107,7 @@ def main():
         for a, b in zip(outs, ref_out):
             k = next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), min(len(a), len(b)))
             agree.append(k / args.new)
-        wb, db = weight_bytes(eng)
+        wb, db = weight_bytes(eng.params), weight_bytes(eng.dparams or {})
         rows.append((name, wb, db, statistics.mean(tps), statistics.mean(agree), ll, ll - ref_nll, np.mean(acc)))
         print(
             f"{name:20s} weights {wb / 2**20:7.1f} MiB  draft {db / 2**20:6.1f} MiB  {statistics.mean(tps):7.1f} tok/s  "

@@ -41,7 +41,7 @@ class Linear(nnx.Module):
     def __call__(self, x):
         if self.scale is None:
             y = x @ self.kernel[...]
-        else:  # the dequantisation fuses into the matmul's operand
+        else:  # quantized weight: converted to x's dtype for the matmul, then scaled per output column
             y = (x @ self.kernel[...].astype(x.dtype)) * self.scale[...].astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]
 
