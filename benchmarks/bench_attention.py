@@ -10,7 +10,8 @@
            (a) the target forward of one decode step and of one verification tree of N = 8/16/32/64
                tokens, for both backends (the ratio verify(N) / decode is what speculation pays per
                round), (b) plain decoding end to end through `Engine.generate` (256 tokens) against
-               the HBM roofline: weight bytes per token / bandwidth (nominal and measured).
+               the HBM roofline: weight bytes per token / bandwidth (nominal and measured), with bf16,
+               int8 and fp8 weights (--quantization; the fp8/int8 rows use the pallas backend).
 --smoke    tiny shapes on any machine (interpret mode off the GPU): checks the script, not speed.
 Both sections run by default.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import statistics
 import time
 
@@ -92,6 +94,7 @@ def model(smoke: bool):
     from jaxspec.cache import KVCache
     from jaxspec.config import ModelConfig
     from jaxspec.models.llama import LlamaForCausalLM
+    from jaxspec.quant import weight_bytes
 
     if smoke:
         cfg = ModelConfig("llama", 256, 128, 256, 2, 8, 2, 64, 1e-5, 500000.0, max_position_embeddings=2048)
@@ -138,16 +141,18 @@ def model(smoke: bool):
         print(f"| {backend} | {dec:.2f} | " + " | ".join(cells) + " |", flush=True)
 
     new = 32 if smoke else 256
-    for backend in ("xla", "pallas"):
+    for backend, quant in (("xla", None), ("pallas", None), ("pallas", "int8"), ("pallas", "fp8")):
         eng = jaxspec.Engine.from_model(
             m,
             dtype="bfloat16",
             speculative_algorithm="NONE",
             attention_backend=backend,
+            quantization=quant,
             skip_tokenizer_init=True,
             show_progress=False,
             context_length=s_len,
         )
+        nbytes = weight_bytes(eng.params)  # what one decode step reads, the KV cache aside
         ids = list(range(10, 10 + ctx))
         sp = dict(temperature=0, max_new_tokens=new, ignore_eos=True)
         eng.generate(input_ids=ids, sampling_params=sp)  # compile
@@ -160,12 +165,14 @@ def model(smoke: bool):
         )  # prefill + first token
         tps = (new - 1) / (lat - r2) if lat > r2 else float("nan")  # decode tokens/s, prefill excluded
         line = (
-            f"plain decode ({backend}): {new / lat:.1f} tok/s end to end; decode alone {tps:.1f} tok/s = "
-            f"{tps * wbytes / measured:.0%} of the measured-bandwidth roofline"
+            f"plain decode ({backend}, {quant or 'bf16'} weights, {nbytes / 1e9:.2f} GB): {new / lat:.1f} tok/s end to "
+            f"end; decode alone {tps:.1f} tok/s = {tps * nbytes / measured:.0%} of the measured-bandwidth roofline"
         )
         if nominal:
-            line += f", {tps * wbytes / nominal:.0%} of the nominal ({nominal / wbytes:.0f} tok/s)"
+            line += f", {tps * nbytes / nominal:.0%} of the nominal ({nominal / nbytes:.0f} tok/s)"
         print(line, flush=True)
+        del eng
+        gc.collect()  # free this engine's weights before the next is built
 
 
 def main():

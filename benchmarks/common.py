@@ -40,18 +40,27 @@ def copy_bandwidth(nbytes: int = 1 << 29, reps: int = 5) -> float:
 
 
 def jax_read_bandwidth(nbytes: int = 1 << 29, reps: int = 5) -> float:
-    """Best read bandwidth of a jitted XLA reduction, bytes/s (what a weight-bound decode can reach)."""
+    """Best read bandwidth, bytes/s, of two jitted XLA programs over `nbytes`: a float32 reduction
+    and a batch-1 bf16 matrix-vector product (what a weight-bound decode step does). On an H100 the
+    reduction alone reached less than decoding itself did, so the better of the two is the roofline."""
     import jax
     import jax.numpy as jnp
 
-    a = jnp.ones((nbytes // 4,), jnp.float32)
-    f = jax.jit(jnp.sum)
-    f(a).block_until_ready()
+    cols = 4096
+    progs = [
+        (jax.jit(jnp.sum), (jnp.ones((nbytes // 4,), jnp.float32),)),
+        (
+            jax.jit(jnp.dot),
+            (jnp.ones((1, nbytes // 2 // cols), jnp.bfloat16), jnp.ones((nbytes // 2 // cols, cols), jnp.bfloat16)),
+        ),
+    ]
     best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
+    for f, args in progs:
+        f(*args).block_until_ready()
+        for _ in range(reps):
+            t = time.perf_counter()
+            f(*args).block_until_ready()
+            best = min(best, time.perf_counter() - t)
     return nbytes / best
 
 
