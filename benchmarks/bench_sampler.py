@@ -4,7 +4,8 @@
 
 The sort-based sampler is the textbook one (sort descending, cumulative sum for top-p, draw with
 jax.random.categorical), as jaxspec sampled before. Times are per call, jitted, after a warm-up, for
-temperature only and for every filter on (top-k 50, top-p 0.9, min-p 0.05).
+temperature only and for every filter on (top-k 50, top-p 0.9, min-p 0.05); jaxspec's is the sampler
+the engine picks for such requests (`sampling_kind`: temperature only needs no threshold search).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from common import machine
 
-from jaxspec.sampling import SamplingParams, SamplingTensors, sample
+from jaxspec.sampling import SamplingParams, SamplingTensors, sample, sampling_kind
 
 
 def sort_sample(logits, st: SamplingTensors, keys):
@@ -53,7 +54,8 @@ def main():
     print(f"machine: {machine()}; vocabulary {args.vocab}")
     print("| rows | filters | sort-based ms | jaxspec ms | ratio |")
     print("|---|---|---|---|---|")
-    ours = jax.jit(lambda lg, st, z, k: sample(lg, st, z, z > 0, k))
+    # the sampler the engine picks for these requests (temperature only: no threshold search)
+    ours = jax.jit(lambda lg, st, z, k, kind: sample(lg, st, z, z > 0, k, kind), static_argnums=4)
     ref = jax.jit(sort_sample)
     for r in args.rows:
         logits = jnp.asarray(np.random.default_rng(0).normal(size=(r, args.vocab)).astype(np.float32) * 3)
@@ -64,7 +66,7 @@ def main():
         ]:
             st = SamplingTensors.build([p] * r, list(range(r)))
             a = per_call_ms(ref, logits, st, st.keys)
-            b = per_call_ms(ours, logits, st, zeros, st.keys)
+            b = per_call_ms(ours, logits, st, zeros, st.keys, sampling_kind([p]))
             print(f"| {r} | {name} | {a:.2f} | {b:.2f} | {a / b:.1f}× |", flush=True)
 
 

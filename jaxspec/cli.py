@@ -28,7 +28,6 @@ from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingParams
 from jaxspec.sharding import init_distributed
 from jaxspec.train.cli import add_parser as add_train_parser
-from server.launch import cmd_serve
 
 
 def _add_engine_args(p: argparse.ArgumentParser, multi_host: bool = True) -> None:
@@ -37,6 +36,14 @@ def _add_engine_args(p: argparse.ArgumentParser, multi_host: bool = True) -> Non
     if multi_host:
         add_arguments(p, MultiHostArgs)
     add_arguments(p, SpeculativeArgs)
+
+
+def _serve(args) -> int:
+    # the web stack (fastapi, uvicorn) is loaded only to serve: convert, generate, bench and
+    # train-draft run where it is not installed (a GPU machine without network, say)
+    from server.launch import cmd_serve
+
+    return cmd_serve(args)
 
 
 def _engine(args):
@@ -134,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     _add_engine_args(sv, multi_host=False)
     add_arguments(sv, ServerArgs)
-    sv.set_defaults(func=cmd_serve)
+    sv.set_defaults(func=_serve)
     b = sub.add_parser("bench", help="bench_speculative-style sweep: batch size x steps x topk x draft tokens")
     b.add_argument("--batch-size", type=int, nargs="+", default=[1], help="batch sizes to sweep")
     b.add_argument(

@@ -155,7 +155,7 @@ def decode(
     stop_ids,
     buf: int,
     backend="xla",
-    sampled: bool = True,
+    sampled: bool | str = True,
     top_logprobs: int | None = None,
 ):
     """Samples the first token from the prefill's last hidden state, then decodes in a while_loop.

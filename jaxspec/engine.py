@@ -58,7 +58,7 @@ from jaxspec.requests import (
     stop_token_ids,
     with_token_text,
 )
-from jaxspec.sampling import GREEDY_EPS, SamplingParams, SamplingTensors, any_sampled, nth_sample, split_n
+from jaxspec.sampling import GREEDY_EPS, SamplingParams, SamplingTensors, nth_sample, sampling_kind, split_n
 from jaxspec.sharding import check_heads, kv_sharding, make_mesh, replicate, shard_params
 from jaxspec.speculative.adaptive import Adaptive, shape_label
 from jaxspec.speculative.loop import spec_block, spec_prefill_chunk, spec_start
@@ -369,7 +369,7 @@ class Engine:
             stop_arr[i, : len(s)] = s
         params_p = params + [SamplingParams(temperature=0.0)] * pad
         st = SamplingTensors.build(params_p, seeds + [0] * pad, None if handles is None else handles + [-1] * pad)
-        sampled = any_sampled(params)
+        sampled = sampling_kind(params)  # the most specific sampler these requests need
         lens_d = jnp.asarray(lens + [1] * pad, jnp.int32)
         max_new_d = jnp.asarray(max_new + [0] * pad, jnp.int32)
         prompt_d = jnp.asarray(prompt)

@@ -6,8 +6,9 @@ serves any mix of greedy and sampled requests.
 
 Order (SGLang): penalties -> temperature -> top-k / top-p / min-p -> draw; temperature == 0 is greedy.
 The filters are applied without sorting the vocabulary (one threshold found by bisection,
-`kept_threshold`) and the draw reads the vocabulary once (`draw`), so a sampled step costs a few
-passes over the logits and nothing in the program waits on the host.
+`kept_threshold`, 32 passes over the logits; programs for requests that filter nothing leave it
+out, see `sampling_kind`) and the draw reads the vocabulary once (`draw`), so nothing in the
+program waits on the host.
 """
 
 from __future__ import annotations
@@ -175,10 +176,24 @@ def _checked(kw: dict) -> SamplingParams:
     return p
 
 
+TEMPERATURE_ONLY = "temperature"  # `sampled` value: rows draw, but none filters (top-k/top-p/min-p off)
+
+
 def any_sampled(params) -> bool:
     """Whether some of these SamplingParams draw (temperature > 0): the `sampled` static argument
     of the decoding programs, which leave the sampler out when it is False."""
     return any(p.temperature > GREEDY_EPS for p in params)
+
+
+def sampling_kind(params) -> bool | str:
+    """The most specific `sampled` static argument that serves these SamplingParams: False (all
+    greedy: no sampler), TEMPERATURE_ONLY (some draw, none filters: the sampler without the
+    threshold search, which is 32 passes over the vocabulary) or True (any mix)."""
+    drawing = [p for p in params if p.temperature > GREEDY_EPS]
+    if not drawing:
+        return False
+    unfiltered = all(p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 for p in drawing)
+    return TEMPERATURE_ONLY if unfiltered else True
 
 
 def seed_bits(seed: int) -> int:
@@ -283,19 +298,22 @@ def kept_threshold(z, st: SamplingTensors):
     return hi
 
 
-def kept_weights(logits, st: SamplingTensors):
+def kept_weights(logits, st: SamplingTensors, filtered: bool = True):
     """logits [R, V] -> unnormalised probabilities [R, V] of the filtered distribution `sample`
     draws from (temperature, top-k, top-p, min-p; zero outside the kept set). The most likely
-    token is always kept, with weight 1."""
+    token is always kept, with weight 1. filtered (static) False: no row filters, so the
+    threshold search is left out (every token is kept, as the search would find)."""
     z = logits.astype(jnp.float32) / jnp.maximum(st.temperature, GREEDY_EPS)[:, None]
-    t = kept_threshold(z, st)
     zmax = jnp.max(z, axis=-1, keepdims=True)
+    if not filtered:
+        return jnp.exp(z - zmax)
+    t = kept_threshold(z, st)
     return jnp.where(order_keys(z) >= t[:, None], jnp.exp(z - zmax), 0.0)
 
 
-def target_probs(logits, st: SamplingTensors):
+def target_probs(logits, st: SamplingTensors, filtered: bool = True):
     """The distribution `sample` draws from, as probabilities over the vocabulary [R, V]."""
-    w = kept_weights(logits, st)
+    w = kept_weights(logits, st, filtered)
     return w / jnp.sum(w, axis=-1, keepdims=True)
 
 
@@ -326,14 +344,14 @@ def uniforms(keys):
     return jax.vmap(jax.random.uniform)(keys)
 
 
-def sample(logits, st: SamplingTensors, counts, seen, keys, sampled: bool = True):
+def sample(logits, st: SamplingTensors, counts, seen, keys, sampled: bool | str = True):
     """logits [B, V] f32 -> tokens [B] int32. keys: typed PRNG keys [B] for this step.
 
     sampled (static): False when every row is greedy, so the program holds no sampler at all;
-    True handles any mix, greedy rows taking the argmax."""
+    TEMPERATURE_ONLY when no row filters; True handles any mix, greedy rows taking the argmax."""
     logits = apply_penalties(logits, st, counts, seen)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not sampled:
         return greedy
-    drawn = draw(kept_weights(logits, st), uniforms(keys))
+    drawn = draw(kept_weights(logits, st, sampled != TEMPERATURE_ONLY), uniforms(keys))
     return jnp.where(st.temperature <= GREEDY_EPS, greedy, drawn)

@@ -156,3 +156,10 @@ def test_train_draft_cli(tmp_path):
 def test_train_draft_bad_data(tmp_path):
     r = run("train-draft", "--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "not found" in r.stderr
+
+
+def test_commands_other_than_serve_need_no_web_stack():
+    """convert, generate, bench and train-draft run where fastapi and uvicorn are not installed
+    (a GPU machine without network, for one): only `jaxspec serve` loads them."""
+    code = "import sys; sys.modules['fastapi'] = sys.modules['uvicorn'] = None; import jaxspec.cli, jaxspec.train.cli"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -416,6 +416,61 @@ def step_reference_eagle3(w, emb, tokens, feats, fed_back, nh, nkv):
     return logits[-1]
 
 
+def test_exported_eagle3_head_reads_in_the_public_layout(target3, tmp_path):
+    """What `jaxspec train-draft` exports is what SGLang's LlamaForCausalLMEagle3 reads: the public
+    tensor names (those a hand-built public checkpoint has, less the optional embedding), the
+    config fields, and tensors that, read by the numpy reference above (not by jaxspec's loader),
+    give the trained head's own logits and fed-back hidden state."""
+    from flax import nnx
+    from safetensors.numpy import load_file
+
+    from jaxspec.loader import LoadedModel
+    from jaxspec.train.data import Example
+    from jaxspec.train.trainer import TrainConfig, Trainer
+
+    tgt, hf = target3
+    tcfg = hf.config.to_dict()
+    nh, nkv, v, n = (
+        tcfg["num_attention_heads"],
+        tcfg["num_key_value_heads"],
+        tcfg["vocab_size"],
+        tcfg["num_hidden_layers"],
+    )
+    rng = np.random.default_rng(5)
+    examples = [Example([int(t) for t in rng.integers(0, v, 24)], [0] * 8 + [1] * 16) for _ in range(8)]
+    cfg = TrainConfig(algorithm="EAGLE3", steps=3, batch_size=4, max_len=32, draft_vocab_size=DRAFT_VOCAB, seed=1)
+    loaded = LoadedModel(tgt.cfg, tgt, None, "<memory>", "memory")
+    tr = Trainer(loaded, tcfg, examples, cfg, str(tmp_path), progress=False)
+    tr.train()
+    tr.export("float32")
+
+    w = load_file(str(tmp_path / "model.safetensors"))
+    public = set(public_weights("EAGLE3", tcfg)) - {"embed_tokens.weight"}
+    assert set(w) == public, set(w) ^ public
+    with open(tmp_path / "config.json") as f:
+        c = json.load(f)
+    assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["num_hidden_layers"] == 1
+    assert c["draft_vocab_size"] == DRAFT_VOCAB == w["lm_head.weight"].shape[0] == len(w["d2t"])
+    assert w["t2d"].shape == (v,) and np.array_equal(np.flatnonzero(w["t2d"]), np.arange(DRAFT_VOCAB) + w["d2t"])
+    for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size", "rms_norm_eps"):
+        assert c[k] == tcfg[k], k
+    assert w["fc.weight"].shape == (tcfg["hidden_size"], 3 * tcfg["hidden_size"])
+
+    tokens = [int(t) for t in rng.integers(0, v, T)]
+    feats = np.concatenate([hf_hidden_states(hf, tokens)[i] for i in (2, n // 2, n - 3)], -1)
+    emb = hf.model.embed_tokens.weight.detach().double().numpy()
+    w64 = {k: (a if a.dtype.kind in "ib" else a.astype(np.float64)) for k, a in w.items()}
+    ref, ref_out = eagle3_reference(w64, emb[tokens], feats, nh, nkv, c["rope_theta"])
+
+    head = nnx.merge(tr.graphdef, tr.params, tr.rest)  # the trained head, in memory
+    prop, _ = load_jaxspec("EAGLE3", tgt, str(tmp_path))
+    pos = jnp.arange(T, dtype=jnp.int32)[None]
+    embeds = tgt.embed_tokens[...][jnp.asarray(tokens)[None]]
+    lh, fb, _ = head(embeds, jnp.asarray(feats, jnp.float32)[None], pos, prop.make_cache(1, 32, jnp.float32))
+    assert rel_err(np.asarray(head.logits(lh[0])), ref) < TOL
+    assert rel_err(np.asarray(fb[0]), ref_out) < TOL
+
+
 # ---- the comparison can fail ------------------------------------------------------------------
 
 

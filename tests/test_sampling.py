@@ -181,3 +181,27 @@ def test_invalid_params_raise(bad):
 def test_aliases():
     p = SamplingParams.from_dict({"max_tokens": 5, "sampling_seed": 3})
     assert p.max_new_tokens == 5 and p.seed == 3
+
+
+def test_temperature_only_sampler_skips_the_threshold_search():
+    """Requests that filter nothing get the sampler without the threshold search (32 passes over the
+    vocabulary): the same weights, so the same draws, from a program a fraction of the size;
+    sampling_kind picks it only when no drawing request filters."""
+    from jaxspec.sampling import TEMPERATURE_ONLY, kept_weights, sampling_kind
+
+    v = 4096
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(3, v)).astype(np.float32))
+    st = _tensors([CASES[0], dict(temperature=0.0), dict(CASES[0], temperature=0.5)])
+    np.testing.assert_array_equal(np.asarray(kept_weights(logits, st, False)), np.asarray(kept_weights(logits, st)))
+    zeros = jnp.zeros((3, v), jnp.int32)
+    run = lambda kind: jax.jit(lambda k: sample(logits, st, zeros, zeros > 0, k, kind))
+    keys = jax.random.split(jax.random.key(0), 3)
+    assert np.array_equal(run(TEMPERATURE_ONLY)(keys), run(True)(keys))
+    eqns = lambda kind: len(jax.make_jaxpr(lambda k: sample(logits, st, zeros, zeros > 0, k, kind))(keys).eqns)
+    assert eqns(TEMPERATURE_ONLY) < eqns(True) / 4
+
+    p = lambda **kw: SamplingParams(**kw)
+    assert sampling_kind([p(temperature=0.0), p(temperature=0.0, top_k=5)]) is False
+    assert sampling_kind([p(temperature=1.0), p(temperature=0.0, top_p=0.5)]) == TEMPERATURE_ONLY
+    for filt in (dict(top_k=40), dict(top_p=0.9), dict(min_p=0.05)):
+        assert sampling_kind([p(temperature=1.0), p(temperature=0.8, **filt)]) is True

@@ -15,8 +15,7 @@
 #
 # Each part writes its log to $OUT/partN.log (the device tool brings $OUT back). On an H100
 # (2026-11-24) parts 1-3 took 6, 4 and 10 minutes. The GPU image lacks pydantic (carried as wheels
-# in .gpu1) and fastapi (so the conversion calls convert.checkpoint directly, not the `jaxspec`
-# command, which imports the server).
+# in .gpu1) and fastapi (only `jaxspec serve` needs it).
 set -uo pipefail
 W=/root/w
 REPO=$(cd "$(dirname "$0")/../.." && pwd)

