@@ -11,7 +11,7 @@
                tokens, for both backends (the ratio verify(N) / decode is what speculation pays per
                round), (b) plain decoding end to end through `Engine.generate` (256 tokens) against
                the HBM roofline: weight bytes per token / bandwidth (nominal and measured), with bf16,
-               int8 and fp8 weights (--quantization; the fp8/int8 rows use the pallas backend).
+               int8 and fp8 weights (the engine's quantization option; those rows use pallas).
 --smoke    tiny shapes on any machine (interpret mode off the GPU): checks the script, not speed.
 Both sections run by default.
 """

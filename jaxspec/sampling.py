@@ -286,7 +286,8 @@ def kept_threshold(z, st: SamplingTensors):
         above = keys > x[:, None]
         count = jnp.sum(above, axis=-1)
         mass = jnp.sum(jnp.where(above, p, 0.0), axis=-1)
-        return (count >= k) | (mass > st.top_p) | (x < t_min)
+        # top_p = 1 keeps everything: a float32 mass that rounds above 1 must not cut the tail
+        return (count >= k) | ((mass > st.top_p) & (st.top_p < 1.0)) | (x < t_min)
 
     lo = jnp.full((r,), jnp.iinfo(jnp.int32).min, jnp.int32)  # below every float's key
     hi = order_keys(zmax)  # nothing cuts at the maximum

@@ -189,10 +189,14 @@ def test_temperature_only_sampler_skips_the_threshold_search():
     sampling_kind picks it only when no drawing request filters."""
     from jaxspec.sampling import TEMPERATURE_ONLY, kept_weights, sampling_kind
 
-    v = 4096
-    logits = jnp.asarray(np.random.default_rng(3).normal(size=(3, v)).astype(np.float32))
-    st = _tensors([CASES[0], dict(temperature=0.0), dict(CASES[0], temperature=0.5)])
-    np.testing.assert_array_equal(np.asarray(kept_weights(logits, st, False)), np.asarray(kept_weights(logits, st)))
+    v = 49152
+    rng = np.random.default_rng(3)
+    # scaled logits and low temperatures: masses whose float32 sum rounds above 1 (the search once cut
+    # tails at top_p = 1 there)
+    logits = jnp.asarray((rng.normal(size=(3, v)) * rng.uniform(1, 8, (3, 1))).astype(np.float32))
+    for t in (0.3, 0.7, 1.5):
+        st = _tensors([dict(CASES[0], temperature=t), dict(temperature=0.0), dict(CASES[0], temperature=t / 2)])
+        np.testing.assert_array_equal(np.asarray(kept_weights(logits, st, False)), np.asarray(kept_weights(logits, st)))
     zeros = jnp.zeros((3, v), jnp.int32)
     run = lambda kind: jax.jit(lambda k: sample(logits, st, zeros, zeros > 0, k, kind))
     keys = jax.random.split(jax.random.key(0), 3)

@@ -34,7 +34,7 @@ class Scripted:
     """Engine stand-in: generate() answers each request from `script(prefix, params)`; records calls."""
 
     def __init__(self, script):
-        self.tokenizer, self.script, self.calls = Tok(), script, []
+        self.tokenizer, self.script, self.calls, self.prefixes = Tok(), script, [], []
 
     def _encode(self, text, add_special_tokens):
         return [ord(c) for c in text]
@@ -45,6 +45,7 @@ class Scripted:
     def generate(self, input_ids, sampling_params):
         self.calls.append(sampling_params)
         prefix = "".join(map(chr, input_ids[0]))
+        self.prefixes.append((next(c for c, text in CATEGORIES.items() if text in prefix), prefix))
         out = []
         for p in sampling_params:
             text, reason = self.script(prefix, p)
@@ -121,8 +122,11 @@ def test_synthesize_spreads_filters_and_resumes(tmp_path):
     assert {r.get("dropped") for r in recs} >= {None, "near-duplicate", "cut off"}
     seeds = [p["seed"] for call in eng.calls for p in call]
     assert len(set(seeds)) == len(seeds)  # every attempt its own seed
-    # every system prompt reached the model: the math prompts were written after the math system prompt
+    # each category's prompts were written after its own system prompt, and stop at the end of a turn
     assert all(p["stop"] == "<|im_end|>" for call in eng.calls for p in call)
+    written = [c for c, _ in eng.prefixes]
+    assert written == sorted(written, key=["math", "coding"].index) and set(written) == {"math", "coding"}
+    assert all(pre.endswith("<|im_start|>user\n") for _, pre in eng.prefixes)
 
     # a rerun with a larger count keeps the first prompts, asks only for new ones, same seeds per attempt
     eng2 = Scripted(script)
@@ -131,6 +135,11 @@ def test_synthesize_spreads_filters_and_resumes(tmp_path):
     assert len(more) == 14
     new_seeds = [p["seed"] for call in eng2.calls for p in call]
     assert not set(new_seeds) & set(seeds)
+    # and a run from scratch draws the same seeds for the same attempts (the first batch: what comes
+    # after depends on what the scripted model writes, which differs on a second pass)
+    eng3 = Scripted(script)
+    synthesize(eng3, 10, ["math", "coding"], batch=4, seed=3)
+    assert [p["seed"] for p in eng3.calls[0]] == [p["seed"] for p in eng.calls[0]]
 
 
 def test_synthesize_gives_up_on_a_model_that_writes_nothing_usable(tmp_path):
@@ -160,6 +169,18 @@ def test_regenerate_with_sampled_answers_resumes(tmp_path):
     assert sum(len(c) for c in eng.calls) - asked == 3 and again[:6] == out and len(again) == 9
     tagged = load_tagged(cache)
     assert [c for c, _ in tagged] == ["math"] * 3 + ["coding"] * 3 + ["math"] * 3
+
+    # the cache is keyed by prompt content: a reordered, grown list asks only for the new prompts,
+    # and a prompt's sampled answers keep their seeds wherever it stands in the list
+    new = [[{"role": "user", "content": "question new"}, {"role": "assistant", "content": "-"}]]
+    asked = sum(len(c) for c in eng.calls)
+    third = regenerate(eng, new + convs[::-1], 8, batch=4, cache_path=cache, samples=2)
+    calls = [p for c in eng.calls for p in c][asked:]
+    assert len(calls) == 3 and len(third) == 12 and third[3:6] == again[6:9]
+    fresh = Scripted(None)
+    regenerate(fresh, convs[::-1], 8, batch=16, samples=2)
+    seeds = lambda c: sorted(p.get("seed", -1) for p in c)
+    assert seeds(fresh.calls[0]) == seeds([p for c in eng.calls for p in c][:asked])
 
 
 def test_held_out_split_is_per_category_and_never_trained_on():

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checklist in five `device` calls (the machine has no network, so the SmolLM2 GGUF
-# travels in three ~32 MB pieces, .gpu1/.gpu2/.gpu3, one carried by each of the first three calls;
-# the calls must follow each other while the machine is still warm, since /root/w lives on it).
+# The GPU checklist in five commands on a GPU machine (it has no network, so the SmolLM2 GGUF
+# travels in three ~32 MB pieces, .gpu1/.gpu2/.gpu3, one copied along with each of the first three
+# commands; they must run on the same machine, since /root/w lives there).
 #
 #   bash benchmarks/gpu/checklist.sh prepare   # dev machine, after make install: fills .gpu1-3
 #   bash benchmarks/gpu/checklist.sh 1         # carry .gpu1: kernels compiled on the GPU (tests,
@@ -13,7 +13,7 @@
 #   bash benchmarks/gpu/checklist.sh 4         # no carry: the same MT-bench with the xla backend
 #   bash benchmarks/gpu/checklist.sh 5         # no carry: kernels per dispatch from the optimized HLO
 #
-# Each part writes its log to $OUT/partN.log (the device tool brings $OUT back). On an H100
+# Each part writes its log to $OUT/partN.log ($OUT defaults to /tmp/out). On an H100
 # (2026-11-24) parts 1-3 took 6, 4 and 10 minutes. The GPU image lacks pydantic (carried as wheels
 # in .gpu1) and fastapi (only `jaxspec serve` needs it).
 set -uo pipefail

