@@ -302,6 +302,12 @@ def target3():
     return tiny_model("llama", seed=13, num_hidden_layers=8)
 
 
+def target_dims(hf):
+    """(config dict, attention heads, KV heads, vocabulary size, layers) of a target's HF twin."""
+    c = hf.config.to_dict()
+    return c, c["num_attention_heads"], c["num_key_value_heads"], c["vocab_size"], c["num_hidden_layers"]
+
+
 def hf_hidden_states(hf, tokens):
     with torch.no_grad():
         out = hf(torch.tensor([tokens]), output_hidden_states=True)
@@ -363,13 +369,7 @@ def test_eagle1_matches_reference(target1, tmp_path, prefix):
 @pytest.mark.parametrize("prefix", ["", "model."])
 def test_eagle3_matches_reference(target3, tmp_path, prefix):
     tgt, hf = target3
-    tcfg = hf.config.to_dict()
-    nh, nkv, v, n = (
-        tcfg["num_attention_heads"],
-        tcfg["num_key_value_heads"],
-        tcfg["vocab_size"],
-        tcfg["num_hidden_layers"],
-    )
+    tcfg, nh, nkv, v, n = target_dims(hf)
     w = public_weights("EAGLE3", tcfg, seed=3)
     prop, dparams = load_jaxspec("EAGLE3", tgt, write_head(tmp_path / "eagle3", "EAGLE3", tcfg, w, prefix))
     assert prop.draft_vocab == DRAFT_VOCAB
@@ -429,13 +429,7 @@ def test_exported_eagle3_head_reads_in_the_public_layout(target3, tmp_path):
     from jaxspec.train.trainer import TrainConfig, Trainer
 
     tgt, hf = target3
-    tcfg = hf.config.to_dict()
-    nh, nkv, v, n = (
-        tcfg["num_attention_heads"],
-        tcfg["num_key_value_heads"],
-        tcfg["vocab_size"],
-        tcfg["num_hidden_layers"],
-    )
+    tcfg, nh, nkv, v, n = target_dims(hf)
     rng = np.random.default_rng(5)
     examples = [Example([int(t) for t in rng.integers(0, v, 24)], [0] * 8 + [1] * 16) for _ in range(8)]
     cfg = TrainConfig(algorithm="EAGLE3", steps=3, batch_size=4, max_len=32, draft_vocab_size=DRAFT_VOCAB, seed=1)

