@@ -6,7 +6,11 @@
 
 A draft given as ALGO:static (e.g. EAGLE3:static, the shipped head) runs with adaptive speculation
 off (its tree shape every round); otherwise adaptive speculation has its default (on for the
-shipped drafts), and the share of rounds it ran without speculation is printed.
+shipped drafts), and the share of rounds it ran without speculation is printed. A tree shape
+(num_steps/eagle_topk/num_draft_tokens) may follow an "@": EAGLE3:static@3/1/4.
+
+--compare-layouts (CPU): every engine runs twice, with the out-major kernels CPU engines use and
+with in-major ones ("(in-major)" rows), side by side in the same run.
 
 For every temperature it runs plain decoding and each draft over the same questions (chat template,
 warm-up pass first so that compilation is not timed; the engines take turns question by question) and prints accept length (tokens per
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 
 from common import machine, mtbench_first_turns
@@ -87,6 +92,11 @@ def main():
     ap.add_argument(
         "--attention-backend", default=None, help="xla or pallas for every engine (default: the platform's)"
     )
+    ap.add_argument(
+        "--compare-layouts",
+        action="store_true",
+        help="also run every engine with in-major kernels (CPU engines use out-major ones)",
+    )
     args = ap.parse_args()
 
     import jaxspec
@@ -94,33 +104,33 @@ def main():
 
     os.makedirs(args.out, exist_ok=True)
     loaded = load(args.model_path, "float32", progress=False)
-    plain = jaxspec.Engine(
+    common_kw = dict(
         _loaded=loaded,
         max_running_requests=args.batch_size,
         show_progress=False,
-        speculative_algorithm="NONE",
         attention_backend=args.attention_backend,
     )
-    qs = mtbench_first_turns(args.questions)
-    ids = [plain._encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in qs]
-    engines = [("NONE", plain)]
+    configs = [("NONE", dict(speculative_algorithm="NONE"))]
     for d in args.draft:
         name, _, path = d.partition("=")  # "EAGLE3" alone: the draft shipped for the default model
-        algo, _, mode = name.partition(":")
-        engines.append(
-            (
-                name,
-                jaxspec.Engine(
-                    speculative_adaptive=False if mode == "static" else None,
-                    _loaded=loaded,
-                    max_running_requests=args.batch_size,
-                    show_progress=False,
-                    speculative_algorithm=algo,
-                    speculative_draft_model_path=path or None,
-                    attention_backend=args.attention_backend,
-                ),
-            )
+        algo_mode, _, shape = name.partition("@")
+        algo, _, mode = algo_mode.partition(":")
+        steps, topk, n = (int(x) for x in shape.split("/")) if shape else (None, None, None)
+        kw = dict(
+            speculative_adaptive=False if mode == "static" else None,
+            speculative_algorithm=algo,
+            speculative_draft_model_path=path or None,
+            speculative_num_steps=steps,
+            speculative_eagle_topk=topk,
+            speculative_num_draft_tokens=n,
         )
+        configs.append((name, kw))
+    if args.compare_layouts:
+        configs += [(f"{name} (in-major)", {**kw, "_out_major": False}) for name, kw in configs]
+    engines = [(name, jaxspec.Engine(**common_kw, **kw)) for name, kw in configs]
+    plain = engines[0][1]
+    qs = mtbench_first_turns(args.questions)
+    ids = [plain._encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in qs]
     print(f"machine: {machine()}")
     print(
         f"SmolLM2-135M-Instruct float32, {len(ids)} MT-bench first turns, max {args.max_new_tokens} new tokens, "
@@ -135,12 +145,12 @@ def main():
             if temp > 0
             else {"temperature": 0, "max_new_tokens": args.max_new_tokens}
         )
-        base = None
+        bases: dict[bool, float] = {}  # plain tokens/s of each kernel layout: the speedups' base
         for (algo, _), (tokens, verify, dt, hist, shapes) in zip(engines, run(engines, ids, sp, args.batch_size)):
             total = max(sum(shapes.values()), 1)
             share = ", ".join(f"{k} {v / total:.0%}" for k, v in shapes.items()) if shapes else "-"
             tps = tokens / dt
-            base = base or tps
+            base = bases.setdefault(algo.endswith("(in-major)"), tps)
             acc = tokens / max(verify, 1)
             rows.append(
                 dict(
@@ -158,7 +168,7 @@ def main():
                 histogram_svg(
                     hist,
                     f"{algo}, T={temp:g}: accept length {acc:.2f}",
-                    os.path.join(args.out, f"accept_hist_{algo.replace(':', '-')}_T{temp:g}.svg"),
+                    os.path.join(args.out, f"accept_hist_{re.sub(r'[^A-Za-z0-9.]+', '-', algo)}_T{temp:g}.svg"),
                 )
     with open(os.path.join(args.out, "mtbench.json"), "w") as f:
         json.dump(rows, f, indent=2)

@@ -41,7 +41,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.grammar import Grammars, requested
 from jaxspec.loader import LoadedModel, jnp_dtype, load
 from jaxspec.logprobs import MAX_TOP_LOGPROBS, top_k_for
-from jaxspec.models.llama import fuse_projections
+from jaxspec.models.llama import fuse_projections, out_major
 from jaxspec.models.mtp import mtp_layout
 from jaxspec.quant import quantize_model
 from jaxspec.requests import (
@@ -80,8 +80,10 @@ class Engine:
     with underscores: jaxspec.args.EngineArgs), or one EngineArgs; the model path may come first.
 
     skip_tokenizer_init: no tokenizer (input_ids in, output_ids out); show_progress: loading bars.
-    Target and draft run with fused q/k/v and gate/up projections (models/llama.py:fuse_projections);
-    a model passed in (`from_model`, `_loaded`) is fused as a copy and stays as it was."""
+    Target and draft run with fused q/k/v and gate/up projections (models/llama.py:fuse_projections),
+    on XLA:CPU with one device also with out-major kernels (models/llama.py:out_major); a model passed
+    in (`from_model`, `_loaded`) is changed as a copy and stays as it was. _out_major=False keeps
+    the in-major kernels (benchmarks compare the two)."""
 
     def __init__(
         self,
@@ -91,6 +93,7 @@ class Engine:
         show_progress: bool = True,
         _loaded: LoadedModel | None = None,
         _fuse: bool = True,
+        _out_major: bool = True,
         **kwargs: Any,
     ):
         if isinstance(model_path, EngineArgs):
@@ -135,7 +138,10 @@ class Engine:
         self.quantization = args.quantization or _loaded.quantization
         model: Any = nnx.clone(_loaded.model) if given and (_fuse or self.quantization) else _loaded.model
         model = fuse_projections(model, args.tp_size) if _fuse else model
-        self.graphdef, self.params = nnx.split(quantize_model(model, self.quantization))
+        model = quantize_model(model, self.quantization)
+        # XLA:CPU multiplies a few rows (trees, batches) faster by out-major kernels (models/llama.py)
+        cpu_layout = _fuse and _out_major and args.tp_size == 1 and jax.default_backend() == "cpu"
+        self.graphdef, self.params = nnx.split(out_major(model) if cpu_layout else model)
         if self.quantization and jax.default_backend() == "cpu":
             logger.warning(
                 "%s weights on CPU: XLA:CPU converts them to float before each matmul, so decoding is slower "
@@ -168,7 +174,8 @@ class Engine:
                 graphdef: Any = self.proposer.graphdef
                 draft: Any = nnx.merge(graphdef, self.dparams["draft"])
                 draft = fuse_projections(draft) if _fuse else draft
-                graphdef, self.dparams["draft"] = nnx.split(quantize_model(draft, draft_quant))
+                draft = quantize_model(draft, draft_quant)
+                graphdef, self.dparams["draft"] = nnx.split(out_major(draft) if cpu_layout else draft)
                 self.proposer = dataclasses.replace(self.proposer, graphdef=graphdef)
             self.dparams = replicate(self.dparams, self.mesh)
         self.adaptive = Adaptive(self.spec) if self.spec.adaptive else None

@@ -176,3 +176,41 @@ def test_engine_fuses_a_copy(hf_dirs):
     assert [r["output_ids"] for r in fused.generate(input_ids=ids, sampling_params=sp)] == [
         r["output_ids"] for r in plain.generate(input_ids=ids, sampling_params=sp)
     ]
+
+
+@pytest.mark.parametrize("family", ["llama_tied_bias", "qwen2", "mistral"])
+@pytest.mark.parametrize("chunk", [1, 3, 12])  # one row (matrix-vector), a few (multiply-and-reduce), many (matmul)
+def test_out_major_gives_in_major_logits(hf_dirs, family, chunk):
+    """Out-major kernels (what CPU engines run) give the fused in-major logits whatever the row count:
+    chunks of 1 and 3 tokens over 2 slots are 2 and 6 rows, 12 tokens 24 rows, and the tied LM head of
+    llama_tied_bias takes the same three paths."""
+    from flax import nnx
+
+    from jaxspec.models.llama import SMALL_ROWS, fuse_projections, out_major
+
+    fused = fuse_projections(load_dir(hf_dirs[family][0]))
+    om = out_major(nnx.clone(fused))
+    qkv = om.layers[0].self_attn.qkv_proj
+    assert qkv.out_major and qkv.kernel.shape == fused.layers[0].self_attn.qkv_proj.kernel.shape[::-1]
+    assert om.out_major and (om.lm_head is None or not om.lm_head.out_major)
+    ids = np.random.default_rng(5).integers(0, 97, size=(2, 12))
+    assert 2 * 12 <= SMALL_ROWS  # the 12-token chunk takes the multiply-and-reduce path too
+    np.testing.assert_allclose(jax_logits(om, ids, chunk), jax_logits(fused, ids, chunk), atol=2e-5, rtol=0)
+
+
+def test_small_rows_matmul_paths():
+    """small_rows_matmul equals the matmul below, inside and above its row range, in float32 and bfloat16."""
+    from jaxspec.models.llama import SMALL_ROWS, small_rows_matmul
+
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((40, 24)).astype(np.float32)
+    for rows in (1, 2, 5, SMALL_ROWS, SMALL_ROWS + 1):
+        x = rng.standard_normal((rows, 1, 24)).astype(np.float32)
+        got = small_rows_matmul(jnp.asarray(x), jnp.asarray(w))
+        assert got.shape == (rows, 1, 40) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), x @ w.T, atol=1e-4, rtol=1e-5)
+        xb, wb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+        got16 = small_rows_matmul(xb, wb, jnp.float32)
+        ref16 = np.asarray(xb, np.float32) @ np.asarray(wb, np.float32).T
+        assert got16.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got16), ref16, atol=2e-2, rtol=1e-2)

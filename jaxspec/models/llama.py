@@ -9,12 +9,17 @@ inference engines call `fuse_projections` once after loading, so that a layer ru
 tensor-parallel shards, [q_0 | k_0 | v_0 | q_1 | k_1 | v_1 | ...], so that a plain column split
 gives each device its own heads' q, k and v (and its own gate and up columns).
 
+On XLA:CPU, inference engines also call `out_major`: kernels stored [out, in], so that a matmul of a
+few rows (a verification tree, a batch of decoding slots) runs as one multiply-and-reduce pass over
+the weights instead of a GEMM that packs them (2-3x the time of a one-row matrix-vector product).
+
 Shapes: B batch, T new tokens, S cache length, H hidden, Nh heads, Nkv kv heads, D head dim, V vocab.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,20 +34,28 @@ from jaxspec.errors import JaxspecError
 INIT_STD = 0.02
 
 
+# Up to this many rows, an out-major Linear multiplies by a multiply-and-reduce pass (see out_major).
+SMALL_ROWS = 32
+
+
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel is [in, out] (HF weights are [out, in], transposed on load).
-    Quantized (jaxspec/quant.py): kernel int8 / float8 [in, out] and scale [out], y = (x @ kernel) * scale."""
+    """y = x @ kernel (+ bias); kernel is [in, out] (HF weights are [out, in], transposed on load),
+    or [out, in] once `out_major` has run (self.out_major).
+    Quantized (jaxspec/quant.py): kernel int8 / float8 and scale [out], y = (x @ kernel) * scale."""
 
     def __init__(self, din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs):
         self.kernel = nnx.Param(jax.random.normal(rngs.params(), (din, dout), dtype) * INIT_STD)
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
         self.scale = None
+        self.out_major = False
 
     def __call__(self, x):
-        if self.scale is None:
-            y = x @ self.kernel[...]
-        else:  # quantized weight: converted to x's dtype for the matmul, then scaled per output column
-            y = (x @ self.kernel[...].astype(x.dtype)) * self.scale[...].astype(x.dtype)
+        w = self.kernel[...]
+        if self.scale is not None:  # quantized weight: converted to x's dtype, then scaled per output column
+            w = w.astype(x.dtype)
+        y = small_rows_matmul(x, w) if self.out_major else x @ w
+        if self.scale is not None:
+            y = y * self.scale[...].astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]
 
     @classmethod
@@ -68,6 +81,20 @@ def _concat_shards(ws, shards, sharding):
     lead = ws[0].shape[:-1]
     out = jnp.concatenate([w.reshape(*lead, shards, -1) for w in ws], -1).reshape(*lead, -1)
     return out if sharding is None else jax.lax.with_sharding_constraint(out, sharding)
+
+
+def small_rows_matmul(x, w, out_dtype=None):
+    """x [..., I] times an out-major weight w [O, I] of x's dtype -> [..., O] in out_dtype (x.dtype).
+
+    From 2 to SMALL_ROWS rows: an elementwise product summed over I in float32, which XLA:CPU fuses
+    into one pass that reads w once, as a one-row matrix-vector product does. Its GEMM, which packs
+    the weight, costs 2-3x that for 3-8 rows (benchmarks/RESULTS.md). Otherwise a plain matmul."""
+    out_dtype = out_dtype or x.dtype
+    rows = math.prod(x.shape[:-1])
+    if rows < 2 or rows > SMALL_ROWS:
+        return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=out_dtype)
+    prod = w[:, None, :].astype(jnp.float32) * x.reshape(rows, -1)[None].astype(jnp.float32)
+    return jnp.sum(prod, -1).T.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype)
 
 
 def split_shards(y, shards: int, sizes: tuple[int, ...]) -> list:
@@ -198,6 +225,7 @@ class LlamaForCausalLM(nnx.Module):
             if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
         )
+        self.out_major = False  # set by out_major: few-row logits from the tied embedding by small_rows_matmul
 
     def __call__(
         self,
@@ -230,6 +258,8 @@ class LlamaForCausalLM(nnx.Module):
         """h: [..., H] -> float32 logits [..., V]."""
         if self.lm_head is None:
             w = self.embed_tokens[...]
+            if self.out_major:
+                return small_rows_matmul(h, w, jnp.float32)
             return jnp.einsum("...h,vh->...v", h, w, preferred_element_type=jnp.float32)
         return (h @ self.lm_head.kernel[...]).astype(jnp.float32)
 
@@ -240,4 +270,20 @@ def fuse_projections(model: nnx.Module, tp: int = 1) -> nnx.Module:
     divide the head counts (sharding.check_heads). Returns `model`."""
     for m in [m for _, m in nnx.iter_graph(model) if isinstance(m, (Attention, MLP)) and not m.shards]:
         m.fuse(tp)
+    return model
+
+
+def out_major(model: nnx.Module) -> nnx.Module:
+    """In place, for inference on XLA:CPU with one device (after fuse_projections and quantization):
+    every attention and MLP kernel of `model` (a target, or a draft built from these layers) is
+    stored [out, in], and a tied LM head computes few-row logits the same way (small_rows_matmul).
+    LM head kernels of their own stay [in, out] (drafts read them directly). Returns `model`."""
+    for _, m in list(nnx.iter_graph(model)):
+        if isinstance(m, LlamaForCausalLM):
+            m.out_major = True
+        if isinstance(m, (Attention, MLP)):
+            for _, lin in list(nnx.iter_graph(m)):
+                if isinstance(lin, Linear) and not lin.out_major:
+                    lin.kernel = nnx.Param(lin.kernel[...].T)
+                    lin.out_major = True
     return model
