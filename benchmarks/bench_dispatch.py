@@ -2,7 +2,10 @@
 speculative server's candidates (the configured tree, the shallower one, plain steps that keep the
 draft up to date), at a given number of busy slots and KV span.
 
-    python benchmarks/bench_dispatch.py [--slots 1 4 16] [--span 256] [--reps 12]
+    python benchmarks/bench_dispatch.py [--slots 1 4 16] [--span 256] [--reps 12] [--in-major]
+
+--in-major: the engines keep in-major kernels (CPU engines otherwise store them out-major,
+models/llama.py:out_major), to compare the layouts run against run.
 
 Every slot decodes from a committed context of span / 2 columns, with no stop in sight, greedy;
 each program runs once untimed, then --reps times. Reported per program: the median dispatch
@@ -59,10 +62,12 @@ def main():
     ap.add_argument("--span", type=int, default=256)
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--context-length", type=int, default=1024)
+    ap.add_argument("--in-major", action="store_true", help="in-major kernels (the layout GPU engines use)")
     args = ap.parse_args()
-    plain = jaxspec.Engine(show_progress=False, speculative_algorithm="NONE", context_length=args.context_length)
-    spec = jaxspec.Engine(show_progress=False, context_length=args.context_length)
-    print(f"machine: {machine()}; span {args.span}, greedy")
+    kw = dict(show_progress=False, context_length=args.context_length, _out_major=not args.in_major)
+    plain = jaxspec.Engine(speculative_algorithm="NONE", **kw)
+    spec = jaxspec.Engine(**kw)
+    print(f"machine: {machine()}; span {args.span}, greedy, {'in' if args.in_major else 'out'}-major kernels")
     print("| slots | program | ms per dispatch | tokens per slot | rounds per slot | round / plain step |")
     print("|---|---|---|---|---|---|")
     for n in args.slots:
