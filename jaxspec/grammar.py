@@ -206,6 +206,20 @@ def close_handle(h: int) -> None:
         _entries.pop(h, None)
 
 
+def _on_host(fn):
+    """A pure_callback body that sees its arguments as numpy arrays. JAX may hand a callback
+    jax.Arrays; indexing or iterating those dispatches an XLA computation from inside the running
+    program, which on a busy XLA:CPU can wait for the very threads the program holds (a deadlock)
+    and costs a dispatch per element anyway. np.asarray only copies the bytes out."""
+
+    @functools.wraps(fn)
+    def run(*args):
+        return fn(*(np.asarray(a) if isinstance(a, jax.Array) else a for a in args))
+
+    return run
+
+
+@_on_host
 def _host_masks(n_words, invalid_allows, handles, out, base, num_out, done, paths, plen):
     """The pure_callback body. handles/base/num_out/done [B]; out [B, W]; paths [B, P, D];
     plen [B, P] -> (bitmask [B, P, n_words] int32 (bit t % 32 of word t // 32: token t allowed),
@@ -268,6 +282,7 @@ def allowed(handles, state, paths, plen, vocab: int, ids=None, invalid_allows: b
     return ((word >> (ids % WORD)) & 1).astype(bool), forced
 
 
+@_on_host
 def _host_sync(handles, out, base, num_out):
     consumed = np.zeros(handles.shape, np.int32)
     for r, h in enumerate(handles):
