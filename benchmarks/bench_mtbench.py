@@ -7,7 +7,9 @@
 A draft given as ALGO:static (e.g. EAGLE3:static, the shipped head) runs with adaptive speculation
 off (its tree shape every round); otherwise adaptive speculation has its default (on for the
 shipped drafts), and the share of rounds it ran without speculation is printed. A tree shape
-(num_steps/eagle_topk/num_draft_tokens) may follow an "@": EAGLE3:static@3/1/4.
+(num_steps/eagle_topk/num_draft_tokens) may follow an "@": EAGLE3:static@3/1/4. ALGO:target-only
+(or ALGO:static,target-only) keeps SGLang's target-only acceptance for sampled chains instead of
+drawing their drafts from the draft distribution.
 
 --compare-layouts (CPU): every engine runs twice, with the out-major kernels CPU engines use and
 with in-major ones ("(in-major)" rows), side by side in the same run.
@@ -81,7 +83,7 @@ def main():
         action="append",
         default=[],
         help="ALGO=PATH or ALGO (repeatable), e.g. EAGLE3=path/to/head, EAGLE3 (the shipped draft), NGRAM; "
-        "ALGO:static turns adaptive speculation off",
+        "ALGO:static turns adaptive speculation off, ALGO:target-only draft sampling (comma-separated: both)",
     )
     ap.add_argument("--questions", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -115,15 +117,20 @@ def main():
         name, _, path = d.partition("=")  # "EAGLE3" alone: the draft shipped for the default model
         algo_mode, _, shape = name.partition("@")
         algo, _, mode = algo_mode.partition(":")
+        modes = set(mode.split(",")) - {""}
+        if modes - {"static", "target-only"}:
+            ap.error(f"unknown draft mode in {name!r}: use static and/or target-only")
         steps, topk, n = (int(x) for x in shape.split("/")) if shape else (None, None, None)
         kw = dict(
-            speculative_adaptive=False if mode == "static" else None,
+            speculative_adaptive=False if "static" in modes else None,
             speculative_algorithm=algo,
             speculative_draft_model_path=path or None,
             speculative_num_steps=steps,
             speculative_eagle_topk=topk,
             speculative_num_draft_tokens=n,
         )
+        if "target-only" in modes:
+            kw["_draft_sampling"] = False
         configs.append((name, kw))
     if args.compare_layouts:
         configs += [(f"{name} (in-major)", {**kw, "_out_major": False}) for name, kw in configs]

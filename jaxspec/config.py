@@ -215,6 +215,9 @@ class SpecConfig:
     token_map: str | None = None
     ngram: NgramConfig | None = None  # NGRAM only
     adaptive: bool = False  # speculative/adaptive.py: speculate or not, chosen per block of rounds
+    # sampled requests draw one path of drafts from the draft distribution and accept it by
+    # min(1, p / q) (speculative/tree.py, verify.py); False: the target-only rule throughout
+    draft_sampling: bool = True
 
     @property
     def enabled(self) -> bool:

@@ -83,7 +83,8 @@ class Engine:
     Target and draft run with fused q/k/v and gate/up projections (models/llama.py:fuse_projections),
     on XLA:CPU with one device also with out-major kernels (models/llama.py:out_major); a model passed
     in (`from_model`, `_loaded`) is changed as a copy and stays as it was. _out_major=False keeps
-    the in-major kernels (benchmarks compare the two)."""
+    the in-major kernels, _draft_sampling=False the target-only acceptance rule for sampled requests
+    (SpecConfig.draft_sampling; benchmarks compare the two)."""
 
     def __init__(
         self,
@@ -94,6 +95,7 @@ class Engine:
         _loaded: LoadedModel | None = None,
         _fuse: bool = True,
         _out_major: bool = True,
+        _draft_sampling: bool = True,
         **kwargs: Any,
     ):
         if isinstance(model_path, EngineArgs):
@@ -157,6 +159,8 @@ class Engine:
         self.chunked_prefill_size = args.chunked_prefill_size
         self.backend = attention_backend
         self.spec = SpecConfig.resolve(args, self.cfg, bundled=_draft_from_target(_loaded, args.algorithm))
+        if not _draft_sampling:
+            self.spec = dataclasses.replace(self.spec, draft_sampling=False)
         self.speculative_algorithm = self.spec.algorithm
         # a shipped draft, not the user's choice
         self._spec_auto = args.speculative_algorithm is None and self.spec.enabled

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -133,6 +136,165 @@ def test_sample_accept_matches_python(ts, ta):
         pnum, ppath, presid = py_sample_accept(toks, parent, probs, coins, steps, ts, ta)
         assert int(num[0]) == pnum and np.asarray(path)[0, : pnum + 1].tolist() == ppath
         np.testing.assert_allclose(np.asarray(resid)[0], presid, atol=1e-5)
+
+
+def py_spine_accept(toks, parent, spine, qx, qd, q_ids, probs, coins, steps, ts, ta):
+    """The sampled-drafts rule: at each node its spine child c (if any) is accepted when
+    u0 * q(c) * ta <= p(c) or p(c) >= ts; after its rejection p becomes max(p - q, 0) renormalised
+    and the other children are tried against that by the target-only rule with coin u1."""
+    n = len(toks)
+    depth = [0] * n
+    for i in range(1, n):
+        depth[i] = depth[parent[i]] + 1
+
+    def resid_at(cur):
+        p = probs[cur].astype(np.float64)
+        kids = [c for c in range(1, n) if parent[c] == cur]
+        sp = [c for c in kids if spine[c]]
+        if sp:
+            c = sp[0]
+            q = np.zeros(probs.shape[1])
+            q[q_ids] = qd[depth[c] - 1]
+            q[toks[c]] = max(q[toks[c]], qx[c])
+            r = np.maximum(p - q, 0)
+            if r.sum() > 0:
+                p = r / r.sum()
+        return p, kids, sp
+
+    cur, path = 0, [0]
+    for _ in range(steps):
+        r, kids, sp = resid_at(cur)
+        chosen = None
+        if sp:
+            c = sp[0]
+            pc = probs[cur, toks[c]]
+            if pc > 0 and (coins[cur, 0] * qx[c] * ta <= pc or pc >= ts):
+                chosen = c
+        if chosen is None:
+            acc = 0.0
+            for c in kids:
+                if spine[c]:
+                    continue
+                pc = r[toks[c]]
+                acc += pc
+                if pc > 0 and (coins[cur, 1] <= acc / ta or pc >= ts):
+                    chosen = c
+                    break
+        if chosen is None:
+            break
+        cur = chosen
+        path.append(cur)
+    r, kids, _ = resid_at(cur)
+    r = r.copy()
+    for c in kids:
+        if not spine[c]:
+            r[toks[c]] = 0
+    return len(path) - 1, path, r / r.sum()
+
+
+@pytest.mark.parametrize("ts,ta", [(1.0, 1.0), (0.3, 0.8)])
+def test_sampled_draft_accept_matches_python(ts, ta):
+    """Trees with a spine of sampled drafts: the min(1, p / q) rule for spine children, the residual
+    max(p - q, 0) for their siblings and the bonus (draft vocabulary mapped onto target ids; some
+    spine nodes forced, with q = 0 and q(token) = 1)."""
+    rng = np.random.default_rng(7)
+    v, vd = 9, 6
+    for trial in range(60):
+        n, steps = int(rng.integers(2, 10)), int(rng.integers(1, 5))
+        toks, parent = random_tree(rng, n, steps)
+        spine = np.zeros(n, bool)
+        cur = 0
+        while True:  # the spine: each spine node's first child
+            kids = [c for c in range(1, n) if parent[c] == cur]
+            if not kids:
+                break
+            cur = kids[0]
+            spine[cur] = True
+        q_ids = np.sort(rng.choice(v, vd, replace=False)).astype(np.int32)
+        qd = rng.dirichlet(np.ones(vd) * 0.7, size=steps).astype(np.float32)
+        qx = np.where(spine, rng.random(n) * 0.9 + 0.05, 1.0).astype(np.float32)
+        if trial % 5 == 0 and spine.any():  # a forced spine node
+            f = int(rng.choice(np.flatnonzero(spine)))
+            depth_f = 0
+            c = f
+            while c:
+                c, depth_f = parent[c], depth_f + 1
+            qd[depth_f - 1], qx[f] = 0, 1.0
+        probs = rng.dirichlet(np.ones(v) * 0.5, size=n).astype(np.float32)
+        coins = rng.random((n, 2)).astype(np.float32)
+        tree = build_tree(jnp.asarray(toks)[None], jnp.asarray(parent, jnp.int32)[None], steps)
+        tree = dataclasses.replace(
+            tree,
+            spine=jnp.asarray(spine)[None],
+            qx=jnp.asarray(qx)[None],
+            qd=jnp.asarray(qd)[None],
+            q_ids=jnp.asarray(q_ids),
+        )
+        probs_d = jnp.asarray(probs)
+        probs_at = lambda cur, probs_d=probs_d: probs_d[cur]
+        num, path, resid = sample_accept(
+            tree, probs_at, jnp.asarray(coins)[None], steps, jnp.asarray([ts]), jnp.asarray([ta])
+        )
+        pnum, ppath, presid = py_spine_accept(toks, parent, spine, qx, qd, q_ids, probs, coins, steps, ts, ta)
+        assert int(num[0]) == pnum and np.asarray(path)[0, : pnum + 1].tolist() == ppath
+        np.testing.assert_allclose(np.asarray(resid)[0], presid, atol=1e-5)
+
+
+def test_sampled_drafts_follow_the_target():
+    """Drafts drawn by draw_drafts and verified by sample_verify: the first two emitted tokens follow
+    the target's distribution (temperature 0.7, a draft unlike the target), and acceptance is the
+    sum of min(p, q), not p(argmax q). Power: thr_acc = 0.8 is rejected on as many samples."""
+    from scipy.stats import chisquare
+
+    from jaxspec.sampling import SamplingParams, SamplingTensors
+    from jaxspec.speculative.loop import draw_drafts
+    from jaxspec.speculative.verify import sample_verify
+
+    v, b, temp = 6, 60000, 0.7
+    rng = np.random.default_rng(3)
+    l0, l1 = rng.normal(0, 1.5, v), rng.normal(0, 1.5, (v, v))  # target logits: root, after t1
+    d0, d1 = rng.dirichlet(np.ones(v)), rng.dirichlet(np.ones(v), size=v)  # draft probabilities
+    st = SamplingTensors.build([SamplingParams(temperature=temp)] * b, list(range(b)))
+    keys = st.keys
+    x1, q0, _ = draw_drafts(jnp.broadcast_to(jnp.asarray(d0, jnp.float32), (b, v)), st.temperature, keys)
+    x2, q1, _ = draw_drafts(
+        jnp.asarray(d1, jnp.float32)[x1], st.temperature, jax.vmap(jax.random.fold_in, (0, None))(keys, 1)
+    )
+    toks = jnp.stack([jnp.zeros_like(x1), x1, x2], 1)
+    tree = build_tree(toks, jnp.broadcast_to(jnp.asarray([0, 0, 1], jnp.int32), (b, 3)), 2)
+    qd = jnp.stack([q0, q1], 1)  # [B, D, V]
+    qx = jnp.concatenate([jnp.ones((b, 1)), jnp.take_along_axis(qd, toks[:, 1:, None], 2)[:, :, 0]], 1)
+    spine = jnp.broadcast_to(jnp.asarray([False, True, True]), (b, 3))
+    tree = dataclasses.replace(tree, spine=spine, qx=qx, qd=qd, q_ids=jnp.arange(v, dtype=jnp.int32))
+    logits = jnp.stack(
+        [
+            jnp.broadcast_to(jnp.asarray(l0, jnp.float32), (b, v)),
+            jnp.asarray(l1, jnp.float32)[x1],
+            jnp.asarray(l1, jnp.float32)[x2],
+        ],
+        1,
+    )
+    p0 = np.exp(l0 / temp) / np.exp(l0 / temp).sum()
+    p1 = np.exp(l1 / temp) / np.exp(l1 / temp).sum(1, keepdims=True)
+    exact = p0[:, None] * p1
+    q0_np = np.asarray(q0[0])
+    for ta, want_pass in [(1.0, True), (0.8, False)]:
+        vkeys = jax.vmap(jax.random.fold_in, (0, None))(keys, 7)
+        acc = sample_verify(tree, logits, st, vkeys, 2, jnp.ones((b,)), jnp.full((b,), ta))
+        num, bonus = np.asarray(acc.num), np.asarray(acc.bonus)
+        t1 = np.where(num >= 1, np.asarray(x1), bonus)
+        nxt = rng.random(b)  # a second token the next round would draw when the first was the bonus
+        fresh = (p1[t1].cumsum(1) < nxt[:, None]).sum(1).clip(0, v - 1)
+        t2 = np.where(num >= 2, np.asarray(x2), np.where(num == 1, bonus, fresh))
+        counts = np.zeros((v, v))
+        np.add.at(counts, (t1, t2), 1)
+        pv = chisquare(counts.reshape(-1), exact.reshape(-1) * b).pvalue
+        if want_pass:
+            assert pv > 1e-3, pv
+            # the first draft is accepted at the rate sum min(p0, q0)
+            np.testing.assert_allclose(np.mean(num >= 1), np.minimum(p0, q0_np).sum(), atol=0.01)
+        else:
+            assert pv < 1e-6, pv
 
 
 LLAMA = ModelConfig.from_hf(

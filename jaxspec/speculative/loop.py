@@ -28,7 +28,7 @@ from jaxspec.config import SpecConfig
 from jaxspec.decode import LENGTH, RUNNING, STOPPED, target_prefill
 from jaxspec.grammar import Emitted, allowed, mask_logits
 from jaxspec.logprobs import TokenLogprobs, compute
-from jaxspec.sampling import SamplingTensors, sample
+from jaxspec.sampling import GREEDY_EPS, SamplingTensors, sample
 from jaxspec.speculative import tree as tree_lib
 from jaxspec.speculative.proposers.base import DraftState, Proposer
 from jaxspec.speculative.verify import Accepted, greedy_verify, verify
@@ -154,12 +154,16 @@ def emit(state: SpecState, new, n_new, max_new_tokens, stop_ids, logits=None, st
     )
 
 
-def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState, grammar=None):
-    """The round's tree. grammar: SamplingTensors.grammar (None: unconstrained): the draft then
-    proposes only tokens each node's grammar state allows (proposers that grow a tree)."""
+def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState, st=None, sampled: bool | str = False):
+    """The round's tree. st: the sampling tensors (its grammar, None: unconstrained: the draft
+    then proposes only tokens each node's grammar state allows; its temperatures and keys, for
+    sampled drafts). sampled (static): whether any row samples; with spec.draft_sampling the
+    sampling rows then draw one path of drafts (the spine, tree.py) from the draft distribution at
+    the row's temperature (verify.py accepts those by min(1, p / q))."""
     if prop.builds_tree:
         return prop.propose_tree(dparams, state.draft, state.last, spec), state.draft
     d = {"state": state.draft}
+    grammar = None if st is None else st.grammar
 
     def step_fn(tokens, hidden, depth, mask, offset):
         probs, h, d["state"] = prop.step(dparams, tgt, d["state"], tokens, hidden, depth, mask, offset)
@@ -167,10 +171,19 @@ def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState,
 
     root_hidden = state.draft.root_hidden if prop.uses_hidden else None
     mask_fn = None
-    if grammar is not None:
+    ids = None
+    if grammar is not None or draws_drafts(prop, spec, sampled):
         ids = prop.to_target(dparams, jnp.arange(prop.draft_vocab, dtype=jnp.int32)).astype(jnp.int32)
+    if grammar is not None:
         vocab = tgt.cfg.vocab_size
         mask_fn = lambda paths, plen: allowed(grammar, state, paths, plen, vocab, ids, invalid_allows=False)
+    draw = None
+    if draws_drafts(prop, spec, sampled):
+        assert st is not None
+        keys = jax.vmap(jax.random.fold_in)(
+            jax.vmap(jax.random.fold_in)(st.keys, jnp.full_like(state.verify_ct, 3)), state.verify_ct
+        )
+        draw = lambda probs, j: draw_drafts(probs, st.temperature, jax.vmap(jax.random.fold_in, (0, None))(keys, j))
     cand = tree_lib.grow(
         state.draft.root_probs,
         root_hidden,
@@ -180,8 +193,29 @@ def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState,
         spec.eagle_topk,
         prop.root_in_region,
         mask_fn,
+        draw,
     )
-    return tree_lib.rerank(state.last, cand, spec.num_draft_tokens, spec.num_steps), d["state"]
+    q_ids = ids if draw is not None else None
+    return tree_lib.rerank(state.last, cand, spec.num_draft_tokens, spec.num_steps, q_ids), d["state"]
+
+
+def draws_drafts(prop: Proposer, spec: SpecConfig, sampled: bool | str) -> bool:
+    """Whether sampling rows draw a spine of drafts from the draft distribution (static)."""
+    return bool(sampled) and spec.draft_sampling and not prop.builds_tree
+
+
+def draw_drafts(probs, temperature, keys):
+    """probs [B, Vd] draft distributions, temperature [B], keys [B] -> (ids [B], q [B, Vd], rows [B]):
+    q = probs sharpened to the row's temperature (probs^(1/T), renormalised), ids drawn from it
+    (Gumbel-max); rows: the rows that sample (temperature > 0; the others take probs' argmax and
+    q is unused)."""
+    t = temperature[:, None]
+    logq = jnp.log(probs.astype(jnp.float32)) / jnp.maximum(t, GREEDY_EPS)
+    q = jax.nn.softmax(logq, -1)
+    g = jax.vmap(lambda k: jax.random.gumbel(k, probs.shape[1:]))(keys)
+    rows = temperature > GREEDY_EPS
+    ids = jnp.where(rows, jnp.argmax(logq + g, -1), jnp.argmax(probs, -1))
+    return ids.astype(jnp.int32), q, rows
 
 
 def spec_round(
@@ -203,7 +237,7 @@ def spec_round(
     sampled (static): False when every slot is greedy (no sampler in the program). The round
     holds no data-dependent branch: every slot runs the same straight-line program."""
     steps = spec.num_steps
-    tree, dstate = draft_tree(prop, dparams, tgt, spec, state, st.grammar)
+    tree, dstate = draft_tree(prop, dparams, tgt, spec, state, st, sampled)
     cache = state.cache
     pos = cache.lengths[:, None] + tree.depth
     h, cache, cap = tgt(

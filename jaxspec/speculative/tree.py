@@ -12,6 +12,13 @@ Tree arrays per request (N nodes, node 0 = x_L):
   tokens [N], parent [N] (parent[0] = 0), depth [N], anc [N, N] (row = self + ancestors + root).
 Siblings are ordered by decreasing draft probability (candidate order), which the sampling
 verifier relies on.
+
+Sampled drafts: grow(draw=...) makes one path of a sampling row's tree, the spine, drawn from the
+draft distribution q (each spine node's first child is a draw; its other children are the k - 1
+most likely other tokens, as elsewhere). The tree then also carries which nodes are spine nodes,
+q(token) for them and the q each was drawn from, so that verification can accept a spine child
+by min(1, p / q) and its siblings by the target-only rule against the residual (verify.py). A
+spine node is always kept, whatever its value: dropping draws by their value would bias them.
 """
 
 from __future__ import annotations
@@ -30,6 +37,11 @@ class Tree:
     parent: jax.Array  # [B, N] int32 node index of the parent (0 for the root itself)
     depth: jax.Array  # [B, N] int32
     anc: jax.Array  # [B, N, N] bool ancestor-or-self mask
+    # sampled drafts only (None otherwise):
+    spine: jax.Array | None = None  # [B, N] bool: the node's token was drawn from the draft distribution
+    qx: jax.Array | None = None  # [B, N] float32 q(token) of spine nodes (1 elsewhere)
+    qd: jax.Array | None = None  # [B, D, Vd] float32 q the spine node at depth d + 1 was drawn from
+    q_ids: jax.Array | None = None  # [Vd] int32 target id of each draft-vocabulary entry
 
 
 @jax.tree_util.register_dataclass
@@ -38,6 +50,9 @@ class Candidates:
     tokens: jax.Array  # [B, M] int32
     scores: jax.Array  # [B, M] float32 product of draft probabilities along the path
     parent: jax.Array  # [B, M] int32 candidate index of the parent, -1 = root
+    qx: jax.Array | None = None  # [B, M] sampled drafts: q(token) of spine candidates (1 elsewhere)
+    spine: jax.Array | None = None  # [B, M] bool sampled drafts: the candidate was drawn
+    qd: jax.Array | None = None  # [B, D, Vd] sampled drafts: the q of the spine draw at each step
 
 
 def grow(
@@ -49,6 +64,7 @@ def grow(
     topk: int,
     root_in_region: bool,
     mask_fn: Callable | None = None,
+    draw: Callable | None = None,
 ):
     """Runs the draft steps and returns all scored candidates.
 
@@ -62,29 +78,61 @@ def grow(
         there or -1 (constrained decoding). Each distribution is masked and renormalised; a forced
         token becomes the first child with probability 1 (also when the draft vocabulary lacks
         it), the others get 0. Siblings stay distinct tokens, which lossless verification needs.
+    draw(probs [B, Vd], j) -> (ids [B], q [B, Vd], rows [B] bool): sampled drafts. In the rows
+        that sample, the first child of the spine (the root, then each spine child) is ids, drawn
+        from q at draft step j, and its siblings are the k - 1 most likely other tokens; the
+        spine child is always a beam (slot 0) and always kept by rerank, so that whether it is
+        in the tree never depends on its value. A forced token is a spine child with q(child) =
+        1 and q = 0 (its draw was certain).
     """
     b = root_probs.shape[0]
     k = topk
+    qx_l: list = []
+    spine_l: list = []
+    qd_l: list = []
 
-    def children(probs, paths, plen):  # probs [B, P, Vd] -> top-k (probabilities, target tokens)
+    def children(probs, paths, plen, j):  # probs [B, P, Vd] -> top-k (probabilities, target tokens)
         forced = None
         if mask_fn is not None:
             ok, forced = mask_fn(paths, plen)
             probs = jnp.where(ok, probs, 0.0)
             probs = probs / jnp.maximum(jnp.sum(probs, -1, keepdims=True), 1e-30)
         p, ids = jax.lax.top_k(probs, k)
+        first = jnp.arange(k) == 0
+        spine = None
+        if draw is not None:  # beam 0 of a sampling row is the spine: its first child is drawn
+            d_ids, q, rows = draw(probs[:, 0], j)  # [B], [B, Vd], [B]
+            if k > 1:
+                _, rest = jax.lax.top_k(
+                    jnp.where(jnp.arange(probs.shape[-1]) == d_ids[:, None], -1.0, probs[:, 0]), k - 1
+                )
+                s_ids = jnp.concatenate([d_ids[:, None], rest], -1)  # [B, k]
+            else:
+                s_ids = d_ids[:, None]
+            s_p = jnp.take_along_axis(probs[:, 0], s_ids, -1)
+            is_s = rows[:, None, None] & (jnp.arange(ids.shape[1]) == 0)[None, :, None]  # [B, P, 1]
+            ids = jnp.where(is_s, s_ids[:, None], ids)
+            p = jnp.where(is_s, s_p[:, None], p)
+            spine = is_s & first
+            qx = jnp.where(spine, jnp.take_along_axis(q, d_ids[:, None], -1)[:, :, None], 1.0)  # [B, P, k]
         tok = to_target(ids).astype(jnp.int32)
         if forced is not None:  # forced first; a sibling that already held it takes the old first
-            first = jnp.arange(k) == 0
             is_f, f = forced[..., None] >= 0, forced[..., None]
             moved = jnp.where(first, f, jnp.where(tok == f, tok[..., :1], tok))
             tok = jnp.where(is_f, moved, tok)
             p = jnp.where(is_f, first.astype(p.dtype), p)
+            if draw is not None:
+                qx = jnp.where(spine & is_f, 1.0, qx)
+                q = jnp.where(spine[:, 0, :1] & is_f[:, 0], 0.0, q)
+        if draw is not None:
+            qx_l.append(qx.reshape(b, -1))
+            spine_l.append(spine.reshape(b, -1))
+            qd_l.append(q)
         return p, tok
 
     r = int(root_in_region)
     w = max(r + (num_steps - 1) * k, 1)
-    p0, tok0 = children(root_probs[:, None], jnp.zeros((b, 1, 1), jnp.int32), jnp.zeros((b, 1), jnp.int32))
+    p0, tok0 = children(root_probs[:, None], jnp.zeros((b, 1, 1), jnp.int32), jnp.zeros((b, 1), jnp.int32), 0)
     p0, tok0 = p0[:, 0], tok0[:, 0]  # [B, k]
     toks = [tok0]
     scores = [p0]
@@ -100,7 +148,7 @@ def grow(
     for j in range(1, num_steps):
         offset = r + (j - 1) * k
         probs, hidden = step_fn(beam_tok, beam_hidden, j, beam_anc, offset)
-        p, tok = children(probs, beam_path, jnp.full((b, k), j, jnp.int32))  # [B, k(beam), k(child)]
+        p, tok = children(probs, beam_path, jnp.full((b, k), j, jnp.int32), j)  # [B, k(beam), k(child)]
         child_score = (beam_score[:, :, None] * p).reshape(b, k * k)
         child_tok = tok.reshape(b, k * k)
         toks.append(child_tok)
@@ -108,7 +156,9 @@ def grow(
         parents.append(jnp.repeat(beam_cand, k, axis=1))
         if j == num_steps - 1:
             break
-        beam_score, pick = jax.lax.top_k(child_score, k)  # best k of k*k become the next beams
+        key = child_score if draw is None else jnp.where(spine_l[-1], 2.0, child_score)  # the spine stays beam 0
+        _, pick = jax.lax.top_k(key, k)  # best k of k*k become the next beams
+        beam_score = jnp.take_along_axis(child_score, pick, axis=1)
         parent_slot = pick // k
         beam_tok = jnp.take_along_axis(child_tok, pick, axis=1)
         beam_path = jnp.concatenate(
@@ -120,21 +170,47 @@ def grow(
         new_col = r + j * k + jnp.arange(k)[None, :, None]
         beam_anc = jnp.take_along_axis(beam_anc, parent_slot[:, :, None], axis=1) | (col == new_col)
         n_cand += k * k
-    return Candidates(jnp.concatenate(toks, 1), jnp.concatenate(scores, 1), jnp.concatenate(parents, 1))
+    sampled = draw is not None
+    return Candidates(
+        jnp.concatenate(toks, 1),
+        jnp.concatenate(scores, 1),
+        jnp.concatenate(parents, 1),
+        jnp.concatenate(qx_l, 1) if sampled else None,
+        jnp.concatenate(spine_l, 1) if sampled else None,
+        jnp.stack(qd_l, 1) if sampled else None,
+    )
 
 
-def rerank(root_tokens, cand: Candidates, num_draft_tokens: int, num_steps: int) -> Tree:
-    """Keeps the best N - 1 candidates (ties go to the earlier one, so parents beat children)."""
+def rerank(root_tokens, cand: Candidates, num_draft_tokens: int, num_steps: int, q_ids=None) -> Tree:
+    """Keeps the best N - 1 candidates (ties go to the earlier one, so parents beat children); with
+    sampled drafts the spine first, shallowest first. q_ids [Vd]: the draft vocabulary's target
+    ids, kept in the tree with sampled drafts."""
     b = root_tokens.shape[0]
     n = num_draft_tokens
-    _, sel = jax.lax.top_k(cand.scores, n - 1)
+    key = cand.scores
+    if cand.spine is not None:  # candidate j's depth is j's step + 1; spine keys 2 - 0.01 * depth
+        m = cand.scores.shape[1]
+        k = _topk_of(m, num_steps)
+        depth = jnp.asarray([1] * k + [d for d in range(2, num_steps + 1) for _ in range(k * k)])
+        key = jnp.where(cand.spine, 2.0 - 0.01 * depth, cand.scores)
+    _, sel = jax.lax.top_k(key, n - 1)
     sel = jnp.sort(sel, axis=1)  # candidate order: parents before children
     tokens = jnp.concatenate([root_tokens[:, None], jnp.take_along_axis(cand.tokens, sel, 1)], 1)
     pc = jnp.take_along_axis(cand.parent, sel, 1)  # [B, N-1] parent candidate index or -1
     match = sel[:, None, :] == pc[:, :, None]  # [B, N-1, N-1]
     parent = jnp.where(jnp.any(match, -1), jnp.argmax(match, -1) + 1, 0).astype(jnp.int32)
     parent = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), parent], 1)
-    return build_tree(tokens, parent, num_steps)
+    tree = build_tree(tokens, parent, num_steps)
+    if cand.qx is None or cand.spine is None or cand.qd is None:
+        return tree
+    qx = jnp.concatenate([jnp.ones((b, 1), jnp.float32), jnp.take_along_axis(cand.qx, sel, 1)], 1)
+    spine = jnp.concatenate([jnp.zeros((b, 1), bool), jnp.take_along_axis(cand.spine, sel, 1)], 1)
+    return dataclasses.replace(tree, qx=qx, spine=spine, qd=cand.qd, q_ids=q_ids)
+
+
+def _topk_of(m: int, num_steps: int) -> int:
+    """topk k from the candidate count m = k + (num_steps - 1) * k^2."""
+    return next(k for k in range(1, m + 1) if k + (num_steps - 1) * k * k == m)
 
 
 def build_tree(tokens, parent, max_depth: int) -> Tree:
