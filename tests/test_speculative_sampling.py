@@ -6,8 +6,8 @@ module, so that one model serves every proposer):
 
 * Losslessness. For every proposer / tree shape in CONFIGS (STANDALONE with the target as its own
   draft in a chain (topk 1), EAGLE-3 in a chain and in a topk-8 tree, the MTP module (NEXTN) in a
-  topk-4 tree, NGRAM; chains draw their drafts from the draft distribution, trees use the
-  target-only rule) and every filter in FILTERS (temperature != 1, top-k, top-p, min-p and all of
+  topk-4 tree, NGRAM; model drafts draw one path of each tree from the draft distribution and
+  try its siblings by the target-only rule, NGRAM uses the target-only rule) and every filter in FILTERS (temperature != 1, top-k, top-p, min-p and all of
   them at once), seeded samples from one batched generate call give the first three tokens
   t0 t1 t2 (t0 comes from the prefill, t1 and t2 from the speculative rounds). The joint
   distributions of (t0, t1) and (t1, t2) are compared with the exact ones, computed independently

@@ -214,8 +214,12 @@ def draw_drafts(probs, temperature, keys):
     q = jax.nn.softmax(logq, -1)
     g = jax.vmap(lambda k: jax.random.gumbel(k, probs.shape[1:]))(keys)
     rows = temperature > GREEDY_EPS
-    ids = jnp.where(rows, jnp.argmax(logq + g, -1), jnp.argmax(probs, -1))
-    return ids.astype(jnp.int32), q, rows
+    ids = jnp.where(rows, jnp.argmax(logq + g, -1), jnp.argmax(probs, -1)).astype(jnp.int32)
+    # no token left (a grammar allows none of the draft's vocabulary): the token is a certain pick,
+    # like a forced one (q = its one-hot), not the NaN of a softmax over nothing
+    some = jnp.any(probs > 0, -1, keepdims=True)
+    q = jnp.where(some, q, jax.nn.one_hot(ids, probs.shape[-1], dtype=q.dtype))
+    return ids, q, rows
 
 
 def spec_round(
