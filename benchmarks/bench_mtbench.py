@@ -8,8 +8,8 @@ A draft given as ALGO:static (e.g. EAGLE3:static, the shipped head) runs with ad
 off (its tree shape every round); otherwise adaptive speculation has its default (on for the
 shipped drafts), and the share of rounds it ran without speculation is printed. A tree shape
 (num_steps/eagle_topk/num_draft_tokens) may follow an "@": EAGLE3:static@3/1/4. ALGO:target-only
-(or ALGO:static,target-only) keeps SGLang's target-only acceptance for sampled chains instead of
-drawing their drafts from the draft distribution.
+(or ALGO:static,target-only) keeps SGLang's target-only acceptance for sampled requests instead of
+drawing a path of drafts from the draft distribution.
 
 --compare-layouts (CPU): every engine runs twice, with the out-major kernels CPU engines use and
 with in-major ones ("(in-major)" rows), side by side in the same run.
@@ -83,7 +83,7 @@ def main():
         action="append",
         default=[],
         help="ALGO=PATH or ALGO (repeatable), e.g. EAGLE3=path/to/head, EAGLE3 (the shipped draft), NGRAM; "
-        "ALGO:static turns adaptive speculation off, ALGO:target-only draft sampling (comma-separated: both)",
+        "ALGO:static turns adaptive speculation off, ALGO:target-only sampled drafts (comma-separated: both)",
     )
     ap.add_argument("--questions", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=128)
