@@ -98,25 +98,10 @@ def test_greedy_verify_matches_python():
 
 
 def py_sample_accept(toks, parent, probs, coins, steps, ts, ta):
-    cur, path = 0, [0]
-    for _ in range(steps):
-        acc, chosen = 0.0, None
-        kids = [c for c in range(1, len(toks)) if parent[c] == cur]
-        for c in kids:
-            pc = probs[cur, toks[c]]
-            acc += pc
-            if coins[cur] <= acc / ta or pc >= ts:
-                chosen = c
-                break
-        if chosen is None:
-            break
-        cur = chosen
-        path.append(cur)
-    resid = probs[cur].copy()
-    for c in range(1, len(toks)):
-        if parent[c] == cur:
-            resid[toks[c]] = 0
-    return len(path) - 1, path, resid / resid.sum()
+    """The target-only rule: py_spine_accept on a tree without a spine (one coin per node)."""
+    n = len(toks)
+    both = np.stack([coins, coins], 1)
+    return py_spine_accept(toks, parent, np.zeros(n, bool), np.ones(n), None, None, probs, both, steps, ts, ta)
 
 
 @pytest.mark.parametrize("ts,ta", [(1.0, 1.0), (0.3, 0.7)])

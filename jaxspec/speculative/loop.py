@@ -172,13 +172,14 @@ def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState,
     root_hidden = state.draft.root_hidden if prop.uses_hidden else None
     mask_fn = None
     ids = None
-    if grammar is not None or draws_drafts(prop, spec, sampled):
+    sample_drafts = draws_drafts(prop, spec, sampled)
+    if grammar is not None or sample_drafts:
         ids = prop.to_target(dparams, jnp.arange(prop.draft_vocab, dtype=jnp.int32)).astype(jnp.int32)
     if grammar is not None:
         vocab = tgt.cfg.vocab_size
         mask_fn = lambda paths, plen: allowed(grammar, state, paths, plen, vocab, ids, invalid_allows=False)
     draw = None
-    if draws_drafts(prop, spec, sampled):
+    if sample_drafts:
         assert st is not None
         keys = jax.vmap(jax.random.fold_in)(
             jax.vmap(jax.random.fold_in)(st.keys, jnp.full_like(state.verify_ct, 3)), state.verify_ct
