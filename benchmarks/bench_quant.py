@@ -10,8 +10,9 @@ over prompts), and the mean log-likelihood per token of held-out text (HumanEval
 questions' second turns, teacher-forced with prompt_logprobs) relative to float32.
 
 Configurations: f32, bf16 (dtype), int8 / fp8 (weights of every linear layer but the LM head,
-float32 activations), int8+draft (int8 target with the shipped EAGLE-3 draft, also int8),
-int8+draft-unquant (the draft left in float32), f32+draft (the reference for those two).
+float32 activations), w8a8 (`w8a8_int8`: int8 weights and per-token int8 activations, integer
+matmuls), int8+draft / w8a8+draft (the quantized target with the shipped EAGLE-3 draft, quantized
+the same way), int8+draft-unquant (the draft left in float32), f32+draft (the reference for those).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ CONFIGS = {
     "bf16": dict(dtype="bfloat16"),
     "int8": dict(quantization="int8"),
     "fp8": dict(quantization="fp8"),
+    "w8a8": dict(quantization="w8a8_int8"),
     "f32+draft": dict(speculative_algorithm="EAGLE3", speculative_adaptive=False),
     "int8+draft": dict(quantization="int8", speculative_algorithm="EAGLE3", speculative_adaptive=False),
     "int8+draft-unquant": dict(
@@ -38,6 +40,7 @@ CONFIGS = {
         speculative_adaptive=False,
         speculative_draft_model_quantization="unquant",
     ),
+    "w8a8+draft": dict(quantization="w8a8_int8", speculative_algorithm="EAGLE3", speculative_adaptive=False),
 }
 
 

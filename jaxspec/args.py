@@ -75,9 +75,10 @@ class ModelArgs:
     )
     quantization: str | None = flag(
         None,
-        "weight quantization of the target's linear layers, per output channel: int8 (weight-only) or fp8 "
-        "(e4m3); embeddings, norms and the LM head stay in --dtype",
-        choices=("int8", "fp8"),
+        "quantization of the target's linear layers, per output channel: int8 (weight-only), fp8 (e4m3, "
+        "weight-only) or w8a8_int8 (int8 weights and per-token int8 activations, integer matmuls: the fast one "
+        "on CPU); embeddings, norms and the LM head stay in --dtype",
+        choices=("int8", "fp8", "w8a8_int8"),
     )
     trust_remote_code: bool = flag(
         False,
@@ -165,9 +166,9 @@ class SpeculativeArgs:
     )
     speculative_draft_model_quantization: str | None = flag(
         None,
-        "weight quantization of the draft: int8, fp8, or unquant (keep the draft unquantized under a quantized "
-        "target); unset: the target's --quantization",
-        choices=("int8", "fp8", "unquant"),
+        "quantization of the draft: int8, fp8, w8a8_int8, or unquant (keep the draft unquantized under a "
+        "quantized target); unset: the target's --quantization",
+        choices=("int8", "fp8", "w8a8_int8", "unquant"),
     )
     speculative_draft_attention_backend: str | None = flag(
         None,

@@ -144,10 +144,10 @@ class Engine:
         # XLA:CPU multiplies a few rows (trees, batches) faster by out-major kernels (models/llama.py)
         cpu_layout = _fuse and _out_major and args.tp_size == 1 and jax.default_backend() == "cpu"
         self.graphdef, self.params = nnx.split(out_major(model) if cpu_layout else model)
-        if self.quantization and jax.default_backend() == "cpu":
+        if self.quantization in ("int8", "fp8") and jax.default_backend() == "cpu":
             logger.warning(
                 "%s weights on CPU: XLA:CPU converts them to float before each matmul, so decoding is slower "
-                "than float32 here (they save memory; the speed is for GPUs)",
+                "than float32 here (they save memory; the speed is for GPUs; w8a8_int8 is the fast mode on CPU)",
                 self.quantization,
             )
         self.kv_sharding = kv_sharding(self.mesh)

@@ -1,14 +1,21 @@
 """Weight quantization of a loaded model: `--quantization` (target) and
 `--speculative-draft-model-quantization` (draft).
 
-Modes (weights only; activations, norms, embeddings, LM heads and the KV cache keep the model's dtype):
-  int8   symmetric int8 per output channel: w ≈ q * scale, q in [-127, 127], scale = max|w| / 127
-  fp8    float8 e4m3 per output channel:    w ≈ q * scale, scale = max|w| / 448 (e4m3's largest normal)
-  unquant (draft only) keep the draft unquantized under a quantized target
+Modes (norms, embeddings, LM heads and the KV cache keep the model's dtype):
+  int8       weight-only, symmetric int8 per output channel: w ≈ q * scale, q in [-127, 127],
+             scale = max|w| / 127
+  fp8        weight-only, float8 e4m3 per output channel: w ≈ q * scale, scale = max|w| / 448
+             (e4m3's largest normal)
+  w8a8_int8  int8 weights as `int8`, and each linear layer's input quantized to int8 per token at run
+             time (dynamic, max|x| / 127); the matmul runs in int32 (models/llama.py:int8_matmul).
+             SGLang's name for the same scheme. The fastest mode on CPU, where XLA has an int8 GEMM
+             but does not fuse a weight conversion into its float one.
+  unquant    (draft only) keep the draft unquantized under a quantized target
 
 Every `Linear` but LM heads gets an integer/fp8 `kernel` [in, out] and a float32 `scale` [out];
 `Linear.__call__` computes (x @ q) * scale with q converted to x's dtype (XLA:GPU fuses that conversion
-into the matmul; XLA:CPU materialises the float weight first, so on CPU it saves memory, not time).
+into the matmul; XLA:CPU materialises the float weight first, so on CPU it saves memory, not time);
+w8a8_int8 Linears also set `act_int8`.
 Quantizing after `fuse_projections` keeps one scale per fused output column, so the tensor-parallel
 split of qkv_proj / gate_up_proj (on whole heads / columns) splits the scales the same way
 (`sharding.param_spec`). Speculation stays lossless with respect to the quantized target: the
@@ -23,8 +30,8 @@ from flax import nnx
 from jaxspec.errors import JaxspecError
 from jaxspec.models.llama import Linear
 
-QMAX = {"int8": 127.0, "fp8": 448.0}
-QDTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+QMAX = {"int8": 127.0, "fp8": 448.0, "w8a8_int8": 127.0}
+QDTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "w8a8_int8": jnp.int8}
 
 
 def quantize_weight(w, mode: str):
@@ -33,7 +40,7 @@ def quantize_weight(w, mode: str):
     amax = jnp.max(jnp.abs(wf), axis=0)
     scale = jnp.where(amax > 0, amax / QMAX[mode], 1.0)
     q = wf / scale
-    if mode == "int8":
+    if QDTYPE[mode] == jnp.int8:
         q = jnp.clip(jnp.round(q), -127, 127)
     return q.astype(QDTYPE[mode]), scale.astype(jnp.float32)
 
@@ -51,6 +58,7 @@ def quantize_model(model: nnx.Module, mode: str | None) -> nnx.Module:
         q, scale = quantize_weight(m.kernel[...], mode)
         m.kernel = nnx.Param(q)
         m.scale = nnx.data(nnx.Param(scale))
+        m.act_int8 = mode == "w8a8_int8"
     return model
 
 

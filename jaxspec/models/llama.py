@@ -41,16 +41,21 @@ SMALL_ROWS = 32
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias); kernel is [in, out] (HF weights are [out, in], transposed on load),
     or [out, in] once `out_major` has run (self.out_major).
-    Quantized (jaxspec/quant.py): kernel int8 / float8 and scale [out], y = (x @ kernel) * scale."""
+    Quantized (jaxspec/quant.py): kernel int8 / float8 and scale [out], y = (x @ kernel) * scale;
+    with self.act_int8 (w8a8_int8) x is quantized too, per token, and the matmul runs in integers."""
 
     def __init__(self, din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs):
         self.kernel = nnx.Param(jax.random.normal(rngs.params(), (din, dout), dtype) * INIT_STD)
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
         self.scale = None
         self.out_major = False
+        self.act_int8 = False
 
     def __call__(self, x):
         w = self.kernel[...]
+        if self.act_int8:
+            y = int8_matmul(x, w, self.scale[...])
+            return y if self.bias is None else y + self.bias[...]
         if self.scale is not None:  # quantized weight: converted to x's dtype, then scaled per output column
             w = w.astype(x.dtype)
         y = small_rows_matmul(x, w) if self.out_major else x @ w
@@ -95,6 +100,27 @@ def small_rows_matmul(x, w, out_dtype=None):
         return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=out_dtype)
     prod = w[:, None, :].astype(jnp.float32) * x.reshape(rows, -1)[None].astype(jnp.float32)
     return jnp.sum(prod, -1).T.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype)
+
+
+def int8_matmul(x, w, w_scale):
+    """x [..., I] float times an int8 weight w [I, O] with per-column scales w_scale [O] -> [..., O] in
+    x's dtype, as w8a8_int8 runs it: each row of x is quantized to int8 with its own scale
+    (max |x| / 127), the product is accumulated exactly in int32 (|sum| <= I * 127^2 < 2^31 for
+    I < 133000), then scaled by both. The integer product does not depend on how rows are batched,
+    so a token gets the same output alone, in a batch or in a verification tree.
+
+    One row is padded to two: XLA:CPU rewrites a one-row int8 dot into a multiply-and-reduce that is
+    10x slower than its int8 GEMM (benchmarks/RESULTS.md)."""
+    lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
+    x2 = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
+    if rows == 1:
+        x2 = jnp.concatenate([x2, x2])
+    amax = jnp.max(jnp.abs(x2), axis=-1, keepdims=True)
+    x_scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    xq = jnp.clip(jnp.round(x2 / x_scale), -127, 127).astype(jnp.int8)
+    acc = jax.lax.dot(xq, w, preferred_element_type=jnp.int32)
+    y = acc.astype(jnp.float32) * x_scale * w_scale.astype(jnp.float32)
+    return y[:rows].reshape(*lead, w.shape[-1]).astype(x.dtype)
 
 
 def split_shards(y, shards: int, sizes: tuple[int, ...]) -> list:
@@ -277,13 +303,14 @@ def out_major(model: nnx.Module) -> nnx.Module:
     """In place, for inference on XLA:CPU with one device (after fuse_projections and quantization):
     every attention and MLP kernel of `model` (a target, or a draft built from these layers) is
     stored [out, in], and a tied LM head computes few-row logits the same way (small_rows_matmul).
-    LM head kernels of their own stay [in, out] (drafts read them directly). Returns `model`."""
+    LM head kernels of their own stay [in, out] (drafts read them directly), and so do w8a8_int8
+    kernels (int8_matmul: XLA:CPU's int8 GEMM is fastest in-major). Returns `model`."""
     for _, m in list(nnx.iter_graph(model)):
         if isinstance(m, LlamaForCausalLM):
             m.out_major = True
         if isinstance(m, (Attention, MLP)):
             for _, lin in list(nnx.iter_graph(m)):
-                if isinstance(lin, Linear) and not lin.out_major:
+                if isinstance(lin, Linear) and not lin.out_major and not lin.act_int8:
                     lin.kernel = nnx.Param(lin.kernel[...].T)
                     lin.out_major = True
     return model
