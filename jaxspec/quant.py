@@ -1,7 +1,7 @@
 """Weight quantization of a loaded model: `--quantization` (target) and
 `--speculative-draft-model-quantization` (draft).
 
-Modes (norms, embeddings, LM heads and the KV cache keep the model's dtype):
+Modes (norms, embeddings, LM heads (but see head_int8 below) and the KV cache keep the model's dtype):
   int8       weight-only, symmetric int8 per output channel: w ≈ q * scale, q in [-127, 127],
              scale = max|w| / 127
   fp8        weight-only, float8 e4m3 per output channel: w ≈ q * scale, scale = max|w| / 448
@@ -12,6 +12,10 @@ Modes (norms, embeddings, LM heads and the KV cache keep the model's dtype):
              but does not fuse a weight conversion into its float one.
   unquant    (draft only) keep the draft unquantized under a quantized target
 
+Under w8a8_int8 a target (or STANDALONE draft) also gets `head_int8`, an int8 copy of its LM head
+[H, V] (of the tied embedding, transposed, when tied) that computes its logits: on CPU the float
+LM head is a sixth of a w8a8 decode step. The float embedding / LM head stay (token embeddings and
+EAGLE drafts read them), so this costs V * H bytes more memory.
 Every `Linear` but LM heads gets an integer/fp8 `kernel` [in, out] and a float32 `scale` [out];
 `Linear.__call__` computes (x @ q) * scale with q converted to x's dtype (XLA:GPU fuses that conversion
 into the matmul; XLA:CPU materialises the float weight first, so on CPU it saves memory, not time);
@@ -28,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.errors import JaxspecError
-from jaxspec.models.llama import Linear
+from jaxspec.models.llama import Linear, LlamaForCausalLM
 
 QMAX = {"int8": 127.0, "fp8": 448.0, "w8a8_int8": 127.0}
 QDTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "w8a8_int8": jnp.int8}
@@ -59,6 +63,13 @@ def quantize_model(model: nnx.Module, mode: str | None) -> nnx.Module:
         m.kernel = nnx.Param(q)
         m.scale = nnx.data(nnx.Param(scale))
         m.act_int8 = mode == "w8a8_int8"
+    if mode == "w8a8_int8":
+        for m in [m for _, m in nnx.iter_graph(model) if isinstance(m, LlamaForCausalLM) and m.head_int8 is None]:
+            w = m.embed_tokens[...].T if m.lm_head is None else m.lm_head.kernel[...]  # [H, V]
+            head = nnx.eval_shape(lambda: Linear(1, 1, bias=False, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+            q, scale = quantize_weight(w, mode)
+            head.kernel, head.scale, head.act_int8 = nnx.Param(q), nnx.data(nnx.Param(scale)), True
+            m.head_int8 = nnx.data(head)
     return model
 
 

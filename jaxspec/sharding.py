@@ -7,7 +7,7 @@ Linear kernels are [in, out] (models/llama.py):
   o_proj, down_proj                            row split     kernel P("tp", None), bias replicated
   (quantized Linears' scale [out] is split like the bias)
   embed_tokens [V, H]                          vocab split   P("tp", None)
-  lm_head kernel [H, V]                        vocab split   P(None, "tp")
+  lm_head kernel [H, V] (and w8a8's head_int8) vocab split   P(None, "tp")
   norms                                        replicated
   KV cache k, v: L x [B, S, Hkv, D]            KV-head split P(None, None, "tp")
 Each device holds num_heads / tp query heads and the num_kv_heads / tp KV heads they read (GQA
@@ -63,9 +63,9 @@ def param_spec(path: tuple, shape: tuple, tp: int) -> P:
     name, parent = str(path[-1]), str(path[-2]) if len(path) > 1 else ""
     if name == "embed_tokens":
         spec = (AXIS, None)
-    elif (parent == "lm_head" or parent in COLUMN) and name == "kernel":
+    elif (parent in ("lm_head", "head_int8") or parent in COLUMN) and name == "kernel":
         spec = (None, AXIS)
-    elif parent == "lm_head" or parent in COLUMN:  # bias or quantization scale [out]
+    elif parent in ("lm_head", "head_int8") or parent in COLUMN:  # bias or quantization scale [out]
         spec = (AXIS,)
     elif parent in ROW and name == "kernel":
         spec = (AXIS, None)

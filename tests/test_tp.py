@@ -114,6 +114,13 @@ def test_params_and_kv_cache_are_split(tiny, tp):
     }
 
 
+def test_w8a8_int8_splits_like_float(tiny):
+    """w8a8_int8 under tp = 2: the same greedy tokens as on one device, its int8 LM head split on
+    the vocabulary like the float one."""
+    assert tiny["w8a8"]["2"] == tiny["w8a8"]["1"]
+    assert tiny["w8a8"]["head/2"] == [[64, V // 2], [V // 2]]
+
+
 def test_fused_projections_add_no_communication(tiny):
     """The fused q/k/v and gate/up matmuls split on whole heads and columns: a tp = 2 prefill compiles
     to the same collectives as with separate projections."""
@@ -256,6 +263,15 @@ def _tiny_checks(d: str) -> dict:
                     eng.dparams["draft"]["midlayer"]["self_attn"]["qkv_proj"]["kernel"][...]
                 ),  # replicated
             }
+
+    res["w8a8"] = {}
+    for tp in (1, 2):  # integer matmuls split over devices: the int32 partial sums add up exactly
+        eng = engine("NONE", tp, quantization="w8a8_int8")
+        res["w8a8"][str(tp)] = [o["output_ids"] for o in eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+        head = eng.params["head_int8"]
+        res["w8a8"][f"head/{tp}"] = [
+            list(x.sharding.shard_shape(x.shape)) for x in (head["kernel"][...], head["scale"][...])
+        ]
 
     res["collectives"] = {}
     for fuse in (True, False):

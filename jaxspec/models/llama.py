@@ -252,6 +252,7 @@ class LlamaForCausalLM(nnx.Module):
             else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
         )
         self.out_major = False  # set by out_major: few-row logits from the tied embedding by small_rows_matmul
+        self.head_int8: Linear | None = None  # w8a8_int8 (jaxspec/quant.py): an int8 copy of the LM head
 
     def __call__(
         self,
@@ -282,6 +283,8 @@ class LlamaForCausalLM(nnx.Module):
 
     def logits(self, h):
         """h: [..., H] -> float32 logits [..., V]."""
+        if self.head_int8 is not None:
+            return self.head_int8(h).astype(jnp.float32)
         if self.lm_head is None:
             w = self.embed_tokens[...]
             if self.out_major:

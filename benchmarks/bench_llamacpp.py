@@ -1,0 +1,95 @@
+"""llama.cpp beside jaxspec on the same GGUF, prompts and token counts, one run.
+
+    python benchmarks/bench_llamacpp.py [--prompts 5] [--new 64] [--threads 2] [--configs f32,w8a8,w8a8+draft]
+
+Needs `llama-cpp-python` (not a jaxspec dependency: `pip install llama-cpp-python` builds llama.cpp
+from source, about 10 minutes on 2 cores). The default model's GGUF (SmolLM2-135M-Instruct, Q4_1)
+is decoded by llama.cpp as it is stored (4-bit weights, its own CPU kernels) and by jaxspec in each
+configuration of `bench_quant.py` (dequantised to float32, then quantized again as the configuration
+says). Batch 1, MT-bench first turns in the chat template (token ids made once by jaxspec's
+tokenizer, given to both), exactly --new greedy tokens each (EOS ignored); tokens/s = new tokens /
+end-to-end latency (prompt included) after a warm-up pass over every prompt. Greedy agreement: the
+tokens before the first difference from jaxspec's first configuration, / --new.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from bench_quant import CONFIGS
+from common import machine, mtbench_first_turns
+
+
+def agreement(outs, ref, new: int) -> float:
+    ks = [next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), min(len(a), len(b))) for a, b in zip(outs, ref)]
+    return statistics.mean(k / new for k in ks)
+
+
+def llamacpp_outputs(path: str, ids: list[list[int]], new: int, threads: int) -> tuple[list[list[int]], list[float]]:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+    def run(x):
+        out = []
+        for tok in llm.generate(x, temp=0.0, top_k=1, reset=True):
+            out.append(int(tok))
+            if len(out) == new:
+                return out
+        return out
+
+    for x in ids:
+        run(x)
+    outs, tps = [], []
+    for x in ids:
+        t = time.perf_counter()
+        outs.append(run(x))
+        tps.append(new / (time.perf_counter() - t))
+    return outs, tps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=5)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (XLA:CPU uses every core)")
+    ap.add_argument("--configs", default="f32,w8a8,w8a8+draft", help="jaxspec configurations of bench_quant.py")
+    args = ap.parse_args()
+
+    import jaxspec
+    from jaxspec.default_model import default_gguf_path
+
+    print(machine())
+    questions = mtbench_first_turns(args.prompts)
+    sp = {"temperature": 0, "max_new_tokens": args.new, "ignore_eos": True}
+    rows, ids, ref = [], None, None
+    for name in args.configs.split(","):
+        kw = dict(CONFIGS[name])
+        kw.setdefault("speculative_algorithm", "NONE")
+        eng = jaxspec.Engine(show_progress=False, **kw)
+        if ids is None:
+            ids = [eng._encode(eng.apply_chat_template([{"role": "user", "content": q}]), False) for q in questions]
+        for x in ids:
+            eng.generate(input_ids=x, sampling_params=sp)
+        outs, tps = [], []
+        for x in ids:
+            t = time.perf_counter()
+            outs.append(eng.generate(input_ids=x, sampling_params=sp)["output_ids"])
+            tps.append(args.new / (time.perf_counter() - t))
+        ref = ref or outs
+        rows.append((f"jaxspec {name}", statistics.mean(tps), agreement(outs, ref, args.new)))
+        print(f"{rows[-1][0]:24s} {rows[-1][1]:7.1f} tok/s  agree {rows[-1][2]:.3f}", flush=True)
+        del eng
+    outs, tps = llamacpp_outputs(default_gguf_path(), ids, args.new, args.threads)
+    rows.append((f"llama.cpp Q4_1, {args.threads} threads", statistics.mean(tps), agreement(outs, ref, args.new)))
+    print(f"{rows[-1][0]:24s} {rows[-1][1]:7.1f} tok/s  agree {rows[-1][2]:.3f}", flush=True)
+    print(f"\n| engine | tok/s | vs llama.cpp | greedy agreement with {rows[0][0]} |")
+    print("|---|---|---|---|")
+    for name, t, ag in rows:
+        print(f"| {name} | {t:.1f} | {t / rows[-1][1]:.2f}× | {ag:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
