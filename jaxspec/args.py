@@ -187,6 +187,11 @@ class SpeculativeArgs:
     speculative_moe_a2a_backend: str | None = flag(
         None, "SGLang: MoE all-to-all of the draft; accepted for compatibility (jaxspec's models have no MoE layers)"
     )
+    enable_multi_layer_eagle: bool = flag(
+        False,
+        "SGLang: draft with every MTP layer of a checkpoint that has several, one per draft step; not supported "
+        "yet (setting it is an error); without it such a checkpoint drafts with its first MTP layer at every step",
+    )
     speculative_adaptive: bool | None = flag(
         None,
         "choose per block of rounds (server: per dispatch) among the tree shape, a shallower one and no "
@@ -240,6 +245,11 @@ class SpeculativeArgs:
             )
         if algo == "NONE":
             return
+        if self.enable_multi_layer_eagle:
+            raise JaxspecError(
+                "--enable-multi-layer-eagle (one MTP layer per draft step) is not supported yet; without it an "
+                "MTP checkpoint with several layers drafts with its first MTP layer at every step"
+            )
         for name in ("speculative_draft_model_quantization", "speculative_attention_mode"):
             check_choice(self, name)
         for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):

@@ -169,3 +169,11 @@ def test_conflicting_and_unknown_values_get_errors(paths, monkeypatch, caplog):
         )
         eng = Engine(eargs, skip_tokenizer_init=True, show_progress=False)
     assert eng.spec.num_draft_tokens == 7 and "lowered to 7" in caplog.text
+
+
+def test_multi_layer_eagle_is_a_clear_error(paths):
+    eargs, _ = parse("--model TARGET --speculative-algorithm EAGLE --enable-multi-layer-eagle", paths)
+    with pytest.raises(JaxspecError, match="not supported yet"):
+        eargs.validate()
+    eargs, _ = parse("--model TARGET --enable-multi-layer-eagle --speculative-algorithm NONE", paths)
+    eargs.validate()  # nothing to draft with: nothing refused
