@@ -77,7 +77,7 @@ class ModelArgs:
         None,
         "quantization of the target's linear layers, per output channel: int8 (weight-only), fp8 (e4m3, "
         "weight-only) or w8a8_int8 (int8 weights and per-token int8 activations, integer matmuls: the fast one "
-        "on CPU); embeddings, norms and the LM head stay in --dtype",
+        "on CPU); embeddings, norms and the LM head stay in --dtype (w8a8_int8 adds an int8 copy of the LM head)",
         choices=("int8", "fp8", "w8a8_int8"),
     )
     trust_remote_code: bool = flag(

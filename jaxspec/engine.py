@@ -22,6 +22,7 @@ import logging
 import os
 import time
 import uuid
+import weakref
 from typing import Any
 
 import jax
@@ -73,6 +74,18 @@ Conversation = list[dict[str, str]]  # [{"role": "user", "content": "hi"}, ...]
 Result = dict[str, Any]  # {"text", "output_ids", "meta_info"}
 
 DEFAULT_BATCH = 8  # max_running_requests when unset (the server instead sizes it to memory)
+
+# engines whose adaptive speculation keeps block programs compiled ahead (clear_cache drops them)
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def clear_cache() -> None:
+    """Drops the block programs engines compiled ahead for adaptive speculation (with
+    jax.clear_caches(): frees their memory mappings); they compile again when next needed."""
+    for eng in list(_LIVE):
+        eng._block_programs.clear()
+        if eng.adaptive is not None:
+            eng.adaptive.ready.clear()
 
 
 class Engine:
@@ -183,6 +196,9 @@ class Engine:
                 self.proposer = dataclasses.replace(self.proposer, graphdef=graphdef)
             self.dparams = replicate(self.dparams, self.mesh)
         self.adaptive = Adaptive(self.spec) if self.spec.adaptive else None
+        # (shape label, rounds, program signature) -> block programs adaptive speculation compiled ahead
+        self._block_programs: dict[tuple, Any] = {}
+        _LIVE.add(self)
         self._corpus: Corpus | None = None
         if self.spec.algorithm == "NGRAM":
             self.reset_ngram_corpus()
@@ -496,7 +512,6 @@ class Engine:
                 backend=self.backend,
             )
         stop_d = jnp.asarray(stop_arr)
-        max_len = cache.max_len  # cache is donated to spec_start
         state = spec_start(
             self.graphdef,
             self.params,
@@ -516,32 +531,63 @@ class Engine:
             top_logprobs=top,
         )
 
-        def block(spec, state, rounds):
-            return spec_block(
+        if self.adaptive is None:
+            state = spec_block(
                 self.graphdef,
                 self.params,
                 prop,
                 self.dparams,
-                spec,
+                self.spec,
                 state,
                 st,
                 max_new_d,
                 stop_d,
-                rounds=rounds,
+                rounds=0,
                 backend=self.backend,
                 sampled=sampled,
             )
-
-        used = None
-        if self.adaptive is None:
-            state = block(self.spec, state, 0)
+            used = None
         else:
-            sig = (b, buf, max_len, sampled)
-            rounds = self.adaptive.rounds
-            greedy = np.asarray(st.temperature[:n]) <= GREEDY_EPS
-            state, used = self.adaptive.run(lambda spec, s: block(spec, s, rounds), state, greedy, sig)
+            state, used = self._adaptive_blocks(prop, state, st, max_new_d, stop_d, sampled, n)
         res = jax.device_get((state.out, state.num_out, state.finish, state.verify_ct, state.hist, state.lps))
         return res, used
+
+    def _adaptive_blocks(self, prop, state, st, max_new_d, stop_d, sampled, n):
+        """Rounds in blocks chosen by adaptive speculation (speculative/adaptive.py) until every
+        request is done. Every block runs a program compiled ahead with `lower().compile()` and kept
+        in self._block_programs: the configured shape's when first needed, the other candidates' in
+        the background (Adaptive.run). Returns (state, rounds per candidate [n, len(candidates)])."""
+        assert self.adaptive is not None
+        rounds = self.adaptive.rounds
+        dyn = (state, st, max_new_d, stop_d)  # what the programs depend on besides shape and rounds
+        sig = (sampled, jax.tree.structure(dyn), *((x.shape, x.dtype) for x in jax.tree.leaves(dyn)))
+        # the state is donated to each block: programs compile against its shapes
+        state_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+        def program(spec):
+            key = (shape_label(spec), rounds, *sig)
+            if key not in self._block_programs:
+                self._block_programs[key] = spec_block.lower(
+                    self.graphdef,
+                    self.params,
+                    prop,
+                    self.dparams,
+                    spec,
+                    state_shapes,
+                    st,
+                    max_new_d,
+                    stop_d,
+                    rounds=rounds,
+                    backend=self.backend,
+                    sampled=sampled,
+                ).compile()
+            return self._block_programs[key]
+
+        def block(spec, state):
+            return program(spec)(self.params, self.dparams, state, st, max_new_d, stop_d)
+
+        greedy = np.asarray(st.temperature[:n]) <= GREEDY_EPS
+        return self.adaptive.run(block, state, greedy, sig, program)
 
     def _result(
         self,

@@ -37,8 +37,9 @@ def _drop_compiled_programs() -> None:
     import jax
 
     jax.clear_caches()
-    if "server.programs" in sys.modules:
-        sys.modules["server.programs"].clear_cache()
+    for module in ("server.programs", "jaxspec.engine"):
+        if module in sys.modules:
+            sys.modules[module].clear_cache()
     gc.collect()
 
 

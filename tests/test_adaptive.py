@@ -33,7 +33,8 @@ def _forced(eng, order, rounds=1):
     configured shape, 1 the shallower one, -1 no speculation), in blocks of `rounds` rounds."""
     shapes = itertools.cycle(order)
     eng.adaptive.rounds = rounds
-    eng.adaptive.choose = lambda batch, acc, greedy, n_plain=0: eng.adaptive.candidates[next(shapes)]
+    eng.adaptive.choose = lambda batch, acc, greedy, n_plain=0, allowed=None: eng.adaptive.candidates[next(shapes)]
+    eng.adaptive._compile_ahead = lambda precompile, signature: None  # forced choices compile as they come
     return eng
 
 
@@ -137,6 +138,32 @@ def test_alternating_blocks_are_lossless(models, algo, draft, knobs, target):  #
             half = eng.adaptive.candidates[1].num_steps
             hist = m["spec_accept_histogram"]
             assert [i for i, x in enumerate(hist) if x and i] == [half, steps], hist
+
+
+def test_offline_candidates_compile_ahead_and_switching_compiles_nothing(models):  # noqa: F811
+    """The offline engine compiles the shallower shape and the plain steps in the background while
+    the configured shape runs the first request (once it is timed); afterwards blocks of every
+    candidate run with no compile, losslessly."""
+    import jax
+
+    eng = engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True)
+    sp = dict(GREEDY, max_new_tokens=120)  # blocks of 8 rounds: the compiles start after the third
+    want = [r["output_ids"] for r in engine(models).generate(input_ids=PROMPTS[:1], sampling_params=sp)]
+    assert [r["output_ids"] for r in eng.generate(input_ids=PROMPTS[:1], sampling_params=sp)] == want
+    for thread in list(eng.adaptive._compiling.values()):
+        thread.join()
+    assert {k[0] for k in eng.adaptive.ready} == {shape_label(c) for c in eng.adaptive.candidates}
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, *_, **__: (
+            compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+        )
+    )
+    _forced(eng, [1, -1, 0], rounds=eng.adaptive.rounds)  # the same programs: blocks of as many rounds
+    out = eng.generate(input_ids=PROMPTS[:1], sampling_params=sp)
+    assert [r["output_ids"] for r in out] == want
+    assert all(v > 0 for v in out[0]["meta_info"]["spec_shapes"].values())
+    assert compiles == []
 
 
 @pytest.mark.slow

@@ -21,12 +21,19 @@ steps are expected to be MARGIN faster than the best shape (estimates are noisy,
 speculation is off a request's acceptance is not observed). While another candidate than the
 configured shape runs, the configured shape is tried again for one block after EXPLORE_MIN blocks,
 an interval that doubles (up to EXPLORE_MAX) each time the trial confirms the choice.
+Only candidates with a compiled program are chosen: the server compiles them in the background
+after start-up, the offline engine (`Adaptive.run`) in a background thread when it meets a new
+batch / buffer / cache size, once the configured shape's first blocks have been timed.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
+import logging
+import os
+import threading
 import time
 from collections.abc import Callable, Collection
 from typing import Any
@@ -43,6 +50,20 @@ COST_SAMPLES = 8  # a round's cost is the median of the last this many blocks' (
 MARGIN = 0.05  # speculation stops only when plain steps are expected to be this much faster
 EXPLORE_MIN, EXPLORE_MAX = 4, 64
 OFF = "off"
+
+logger = logging.getLogger("jaxspec")
+
+# Background compiles (Adaptive._compile_ahead) still running, and the flag that stops them at exit:
+# a compile cut off by interpreter shutdown aborts the process, so exit waits for the one under way.
+_THREADS: set[threading.Thread] = set()
+_EXITING = threading.Event()
+
+
+@atexit.register
+def _finish_compiles() -> None:
+    _EXITING.set()
+    for thread in list(_THREADS):
+        thread.join()
 
 
 def shape_label(spec: SpecConfig | None) -> str:
@@ -72,6 +93,9 @@ class Adaptive:
     # (label, B) -> seconds per round of the last blocks
     cost: dict[tuple[str, int], list[float]] = dataclasses.field(default_factory=dict)
     compiled: set[tuple] = dataclasses.field(default_factory=set)  # program signatures run at least once
+    # program signatures compiled ahead (offline engine, `run`): those a block may run without waiting
+    ready: set[tuple] = dataclasses.field(default_factory=set)
+    _compiling: dict[tuple, threading.Thread] = dataclasses.field(default_factory=dict)
     # greedy / sampled -> [2, D] acceptance of earlier requests' rounds (decayed)
     prior: dict[bool, np.ndarray] = dataclasses.field(default_factory=dict)
     explore_gap: int = EXPLORE_MIN
@@ -154,14 +178,64 @@ class Adaptive:
                 self.prior[g] = total + PRIOR_DECAY * self.prior.get(g, np.zeros_like(total))
         return acc
 
+    def _compile_ahead(self, precompile: Callable[[SpecConfig | None], Any], signature: tuple) -> None:
+        """Compiles, one after another in a background thread at low CPU priority, the candidates
+        (all but the configured shape) not yet compiled for `signature`; each is added to `ready`
+        when its compile is done."""
+        todo = [
+            c
+            for c in self.candidates[1:]
+            if (shape_label(c), *signature) not in self.ready | self.compiled
+            and (shape_label(c), *signature) not in self._compiling
+        ]
+        if not todo:
+            return
+
+        def work():
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # decoding goes first
+            except (AttributeError, OSError):  # pragma: no cover - not Linux
+                pass
+            try:
+                for c in todo:
+                    key = (shape_label(c), *signature)
+                    try:
+                        if not _EXITING.is_set():
+                            precompile(c)
+                            self.ready.add(key)
+                    except Exception as e:  # the candidate stays unused; decoding goes on
+                        logger.warning("adaptive speculation: compiling %s failed: %s", shape_label(c), e)
+                    finally:
+                        self._compiling.pop(key, None)
+            finally:
+                _THREADS.discard(threading.current_thread())
+
+        thread = threading.Thread(target=work, name="jaxspec-adaptive-compile", daemon=True)
+        for c in todo:
+            self._compiling[(shape_label(c), *signature)] = thread
+        _THREADS.add(thread)
+        thread.start()
+
     def round_cost(self, spec: SpecConfig | None, batch: int) -> float:
         return float(np.median(self.cost[(shape_label(spec), batch)]))
 
-    def run(self, block: Callable[[SpecConfig | None, Any], Any], state, greedy: np.ndarray, signature: tuple):
+    def run(
+        self,
+        block: Callable[[SpecConfig | None, Any], Any],
+        state,
+        greedy: np.ndarray,
+        signature: tuple,
+        precompile: Callable[[SpecConfig | None], Any] | None = None,
+    ):
         """Runs blocks on `state` (a SpecState of which rows [0, n) are requests; greedy [n] bool)
         until every request is done. block(spec, state) -> state runs one block. signature: what
-        else the compiled programs depend on (batch, buffer and cache sizes, sampled). Returns
-        (state, rounds [n, len(candidates)] that each request ran with each candidate)."""
+        else the compiled programs depend on (batch, buffer and cache sizes, sampled).
+        precompile(spec): compiles (once; later calls return it) the block program of `spec` for this
+        signature without running it; given, the candidates other than the configured shape are
+        compiled in a background thread for each new signature (once the configured shape's round
+        cost at this batch size is known: short requests compile nothing more) and chosen only once
+        compiled, so that no block waits for a compile the configured shape would not have needed. Returns (state, rounds
+        [n, len(candidates)] that each request ran with each candidate)."""
         n = len(greedy)
         batch = int(state.last.shape[0])
         used = np.zeros((n, len(self.candidates)), np.int64)
@@ -170,10 +244,17 @@ class Adaptive:
         done = np.asarray(jax.device_get(state.done))
         while not done[:n].all():
             running = ~done[:n]
-            c = self.choose(batch, acc[running], greedy[running])
+            allowed = None
+            if precompile is not None:
+                # once the configured shape has been timed here (a short request compiles nothing more)
+                if len(self.cost.get((shape_label(self.spec), batch), [])) >= 2:
+                    self._compile_ahead(precompile, signature)
+                allowed = {shape_label(c) for c in self.candidates if (shape_label(c), *signature) in self.ready}
+            c = self.choose(batch, acc[running], greedy[running], allowed=allowed)
             sig = (shape_label(c), *signature)
             t = time.perf_counter()
             state = block(c, state)
+            self.ready.add(sig)
             done, vct2, hist2 = (np.asarray(x) for x in jax.device_get((state.done, state.verify_ct, state.hist)))
             took = (vct2 - vct)[:n]
             self.observe_cost(c, batch, time.perf_counter() - t, int(took.max(initial=0)), sig)
