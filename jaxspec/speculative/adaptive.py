@@ -252,12 +252,15 @@ class Adaptive:
                 allowed = {shape_label(c) for c in self.candidates if (shape_label(c), *signature) in self.ready}
             c = self.choose(batch, acc[running], greedy[running], allowed=allowed)
             sig = (shape_label(c), *signature)
+            busy = bool(self._compiling)
             t = time.perf_counter()
             state = block(c, state)
             self.ready.add(sig)
             done, vct2, hist2 = (np.asarray(x) for x in jax.device_get((state.done, state.verify_ct, state.hist)))
             took = (vct2 - vct)[:n]
-            self.observe_cost(c, batch, time.perf_counter() - t, int(took.max(initial=0)), sig)
+            # no cost sample while a background compile shares the CPU (it would make this shape look slow)
+            timed = int(took.max(initial=0)) if not (busy or self._compiling) else 0
+            self.observe_cost(c, batch, time.perf_counter() - t, timed, sig)
             used[:, self.index(c)] += took
             if c is not None:
                 acc += self.observe_acceptance((hist2 - hist)[:n, 1:], greedy, c.num_steps)
