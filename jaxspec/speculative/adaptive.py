@@ -185,8 +185,7 @@ class Adaptive:
         todo = [
             c
             for c in self.candidates[1:]
-            if (shape_label(c), *signature) not in self.ready | self.compiled
-            and (shape_label(c), *signature) not in self._compiling
+            if (shape_label(c), *signature) not in self.ready and (shape_label(c), *signature) not in self._compiling
         ]
         if not todo:
             return
@@ -234,8 +233,8 @@ class Adaptive:
         signature without running it; given, the candidates other than the configured shape are
         compiled in a background thread for each new signature (once the configured shape's round
         cost at this batch size is known: short requests compile nothing more) and chosen only once
-        compiled, so that no block waits for a compile the configured shape would not have needed. Returns (state, rounds
-        [n, len(candidates)] that each request ran with each candidate)."""
+        compiled, so that no block waits for a compile the configured shape would not have needed.
+        Returns (state, rounds [n, len(candidates)] that each request ran with each candidate)."""
         n = len(greedy)
         batch = int(state.last.shape[0])
         used = np.zeros((n, len(self.candidates)), np.int64)
