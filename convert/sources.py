@@ -49,7 +49,8 @@ def open_hf_dir(path: str, check_config: bool = True) -> Source:
     st_files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     bin_files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
     if st_files:
-        names, get = _safetensors_reader(st_files)
+        block = (config.get("quantization_config") or {}).get("weight_block_size")
+        names, get = _safetensors_reader(st_files, block)
     elif bin_files:
         names, get = _torch_bin_reader(bin_files)
     else:
@@ -57,7 +58,9 @@ def open_hf_dir(path: str, check_config: bool = True) -> Source:
     return Source(path, "hf", config, names, get, lambda: hf_tokenizer(path))
 
 
-def _safetensors_reader(files: list[str]):
+def _safetensors_reader(files: list[str], block: list[int] | None = None):
+    """(names, get) over safetensors files; fp8 weights are read back to float32 (_dequantize_fp8,
+    `block`: the [rows, columns] of block-wise scales, quantization_config.weight_block_size)."""
     from safetensors import SafetensorError, safe_open
 
     where: dict[str, object] = {}
@@ -83,7 +86,7 @@ def _safetensors_reader(files: list[str]):
             raise JaxspecError(f"corrupt or truncated tensor {name!r}: {e}") from None
 
     names, get = list(where), get
-    return _dequantize_fp8(names, get) if fp8 else (names, get)
+    return _dequantize_fp8(names, get, block) if fp8 else (names, get)
 
 
 def _safetensors_header(path: str) -> tuple[dict, int]:
@@ -108,24 +111,40 @@ def _read_fp8(path: str, entry: dict, start: int) -> np.ndarray:
     return np.frombuffer(buf, ml_dtypes.float8_e4m3fn).reshape(entry["shape"])
 
 
-def _dequantize_fp8(names: list[str], get):
-    """fp8 checkpoints (e4m3 `weight` with a float32 `weight_scale`, per tensor or per output channel
-    [out, 1], as llm-compressor / vLLM / SGLang write them): weights read back as float32 w = q * scale;
-    the engine quantizes them again (per output channel, which reproduces per-channel checkpoints)."""
+def _dequantize_fp8(names: list[str], get, block: list[int] | None = None):
+    """fp8 checkpoints read back as float32; the engine quantizes them again (per output channel,
+    which reproduces per-channel checkpoints exactly and block-wise ones closely). Two public layouts:
+
+    - e4m3 `weight` [out, in] with a float32 `weight_scale`, per tensor or per output channel
+      [out, 1] (llm-compressor / vLLM / SGLang): w = q * scale;
+    - block-wise (DeepSeek-V3 / Qwen3-FP8): e4m3 `weight` [out, in] with a float32
+      `weight_scale_inv` [ceil(out / bo), ceil(in / bi)], one scale per bo x bi block (`block`,
+      from quantization_config.weight_block_size; 128 x 128 when absent):
+      w[i, j] = q[i, j] * scale_inv[i // bo, j // bi] (despite its name the scale multiplies)."""
     import ml_dtypes
 
     scaled = {n[: -len("_scale")] for n in names if n.endswith(".weight_scale")}
-    if any(n.endswith(".weight_scale_inv") for n in names):
-        raise JaxspecError("block-wise fp8 checkpoints (weight_scale_inv) are not supported yet")
+    blocked = {n[: -len("_scale_inv")] for n in names if n.endswith(".weight_scale_inv")}
+    bo, bi = (int(block[0]), int(block[1])) if block else (128, 128)
 
     def read(name: str) -> np.ndarray:
         w = get(name)
         if name in scaled:
             scale = np.asarray(get(name + "_scale"), np.float32)
             return w.astype(np.float32) * (scale.reshape(-1, 1) if scale.size > 1 else scale.reshape(()))
+        if name in blocked:
+            scale = np.asarray(get(name + "_scale_inv"), np.float32)
+            rows, cols = w.shape
+            if scale.shape != (-(-rows // bo), -(-cols // bi)):
+                raise JaxspecError(
+                    f"{name}_scale_inv has shape {list(scale.shape)}; a {rows} x {cols} weight in {bo} x {bi} "
+                    f"blocks needs [{-(-rows // bo)}, {-(-cols // bi)}] (quantization_config.weight_block_size)"
+                )
+            full = np.repeat(np.repeat(scale, bo, axis=0), bi, axis=1)[:rows, :cols]
+            return w.astype(np.float32) * full
         return w.astype(np.float32) if w.dtype == ml_dtypes.float8_e4m3fn else w
 
-    keep = [n for n in names if not n.endswith((".weight_scale", ".input_scale"))]
+    keep = [n for n in names if not n.endswith((".weight_scale", ".weight_scale_inv", ".input_scale"))]
     return keep, read
 
 
