@@ -125,6 +125,7 @@ class Programs:
         self._table_for: Any = None  # the eng.dparams that self._tbl was looked up for
         self._tbl: dict[tuple, Any] = {}
         self._thread: threading.Thread | None = None
+        self.compiles_begun = self.compiles_ended = 0  # compile_mark
         self._stop = False
         self.background_total = 0
         self.startup_bs = sched.slots  # the batch sizes compile_startup covered exactly
@@ -298,10 +299,23 @@ class Programs:
         with self.lock:
             if key in tbl:
                 return tbl[key]
-        prog = self._lower(key).compile()
+        with self.lock:
+            self.compiles_begun += 1
+        try:
+            prog = self._lower(key).compile()
+        finally:
+            with self.lock:
+                self.compiles_ended += 1
         with self.lock:
             tbl[key] = prog
         return prog
+
+    def compile_mark(self) -> tuple[int, int]:
+        """(compiles begun, ended) so far: two equal marks with begun == ended mean no compile ran
+        in between (adaptive speculation takes no cost sample of a dispatch that shared the CPU
+        with one)."""
+        with self.lock:
+            return self.compiles_begun, self.compiles_ended
 
     def compile_startup(self, max_bs: int, progress: bool = True) -> int:
         """Compiles and exercises the cover set (before the scheduler thread starts)."""

@@ -149,6 +149,7 @@ class Pending:
     spec: Any = None  # dispatch: the tree shape it ran (None: plain steps or plain decoding)
     n_act: int = 0  # dispatch: the batch size it was chosen for
     key: tuple = ()  # dispatch: its compiled program
+    compiles: tuple[int, int] = (0, 0)  # dispatch: Programs.compile_mark() when it was enqueued
 
     @property
     def who(self) -> list[Request]:
@@ -756,7 +757,8 @@ class Scheduler:
         self._seq += 1
         t = time.perf_counter()
         self.batch, outs = prog(eng.params, eng.dparams, self.batch, jnp.asarray(kill))
-        self._pending.append(Pending("dispatch", [], busy, outs, self._seq, t, spec, n_act, key))
+        marks = self.programs.compile_mark()
+        self._pending.append(Pending("dispatch", [], busy, outs, self._seq, t, spec, n_act, key, marks))
 
     def _choose(self, busy: dict[int, Request], n_act: int, span: int, sampled: bool, lps: bool, gram: bool = False):
         """The tree shape for the next dispatch, or None (plain steps): adaptive speculation's
@@ -832,7 +834,8 @@ class Scheduler:
         round and the acceptance of its speculative requests. The device runs the calls in order,
         so a dispatch started when it was enqueued or when the call before it finished, whichever
         was later; it is timed only when that call's results were the last to arrive (a prefill
-        chunk in between, whose end is not seen, would count as the dispatch's). t_got: when its
+        chunk in between, whose end is not seen, would count as the dispatch's) and no compile (a
+        background one) ran meanwhile, which would make its shape look slow. t_got: when its
         results arrived."""
         label = shape_label(item.spec)
         took = {s: int(vct[s]) - r.verify_ct for s, r in item.slots.items() if not (r.finished or r.cancelled)}
@@ -846,9 +849,11 @@ class Scheduler:
         if self.adaptive is None:
             return
         seq, t_prev = self._last_fetched
+        begun, ended = item.compiles
+        quiet = begun == ended and self.programs.compile_mark() == item.compiles  # no compile shared the CPU
         if seq == item.seq - 1:
             dt = t_got - max(item.t_enqueued, t_prev)
-            self.adaptive.observe_cost(item.spec, item.n_act, dt, rounds, (label, *item.key))
+            self.adaptive.observe_cost(item.spec, item.n_act, dt, rounds if quiet else 0, (label, *item.key))
         if item.spec is None:
             return
         reqs = [(s, r) for s, r in item.slots.items() if r.speculative and s in took]

@@ -112,6 +112,23 @@ def test_choice_follows_cost_and_acceptance():
     assert shape_label(SPEC) == "2/1/3" and shape_label(None) == OFF
 
 
+def test_costs_at_unmeasured_batch_sizes_are_interpolated():
+    """A batch size measured twice uses its own median; another is interpolated between the nearest
+    measured ones (the nearest one beyond them), so a new batch size needs no measuring first."""
+    a = Adaptive(SPEC)
+    one, none = np.array([True]), a.empty(1)
+    a.cost[("2/1/3", 2)] = [0.02, 0.02]
+    a.cost[("2/1/3", 6)] = [0.06, 0.06, 0.07]
+    a.cost[("2/1/3", 4)] = [0.5]  # one sample: not yet its own
+    assert a.round_cost(SPEC, 2) == 0.02 and a.round_cost(SPEC, 4) == pytest.approx(0.04)
+    assert a.round_cost(SPEC, 1) == 0.02 and a.round_cost(SPEC, 8) == 0.06
+    assert a.choose(5, none, one) is a.candidates[1]  # the shallower shape was never measured anywhere
+    a.cost[("1/1/2", 2)] = [0.015, 0.015]
+    a.cost[(OFF, 2)] = [0.01, 0.01]
+    low = np.array([[[100, 10], [10, 0]]], float)
+    assert a.choose(5, low, one) is None  # decided at batch 5 from batch 2's costs alone
+
+
 @pytest.mark.parametrize(
     "algo,draft,knobs,target",
     [
@@ -228,7 +245,7 @@ def test_server_dispatches_alternate_losslessly(models, overlap):  # noqa: F811
 
 @pytest.mark.slow
 def test_server_measures_costs_and_acceptance(models, plain):  # noqa: F811
-    """A real (unforced) adaptive scheduler measures a round of each candidate per batch size,
+    """A real (unforced) adaptive scheduler measures rounds of each candidate (at some batch size),
     collects each speculative request's acceptance (the target as its own draft accepts every
     draft token), and then runs mostly the candidate that its own measurements favour."""
     from server.scheduler import Request, Scheduler
@@ -248,7 +265,7 @@ def test_server_measures_costs_and_acceptance(models, plain):  # noqa: F811
         return OFF if rate[OFF] > rate[best] * (1 + MARGIN) else best
 
     def spy(*args, **kw):  # (choice, the favoured candidate when every cost was known, else None)
-        known = all(len(a.cost.get((shape_label(c), 2), [])) >= 2 for c in a.candidates)
+        known = all(a._measured(c) for c in a.candidates)
         best = favoured(*args, **kw) if known and len(args[1]) else None
         picks.append((choose(*args, **kw), best))
         return picks[-1][0]
@@ -260,7 +277,7 @@ def test_server_measures_costs_and_acceptance(models, plain):  # noqa: F811
         sched.submit(Request(ids=p, params=SamplingParams.from_dict(dict(GREEDY, max_new_tokens=120)), emit=emit))
     sched.run_until_idle()
     label = shape_label(eng.spec)
-    assert all(len(a.cost[(shape_label(c), 2)]) >= 2 for c in a.candidates)
+    assert all(a._measured(c) for c in a.candidates)
     np.testing.assert_array_equal(a.prior[True][0], a.prior[True][1])  # every depth reached was accepted
     later = [(c, best) for c, best in picks if best is not None]  # mostly the favoured one (the rest: looking again)
     assert later and sum(shape_label(c) == best for c, best in later) > len(later) / 2, (a.cost, picks)

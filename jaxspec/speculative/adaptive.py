@@ -10,7 +10,8 @@ requests still running is run:
     value(shape) = sum over running requests of E[tokens per round | shape, request] / cost(shape, B)
 
 cost: seconds per round of (shape, batch size B), the median over the last COST_SAMPLES blocks
-that did not compile (a median, so that one slow block, e.g. a busy machine, does not decide).
+that did not compile (a median, so that one slow block, e.g. a busy machine, does not decide);
+at a batch size not yet measured twice, interpolated from the batch sizes that were.
 E[tokens per round]: 1 without speculation; with d draft steps 1 + sum_{j <= d} P(accepted >= j),
 P(accepted >= j) = prod_{i <= j} P(depth i accepted | depth i - 1 was), each factor counted over
 the rounds that reached depth i (a product-limit estimate: rounds of a shallower shape say nothing
@@ -135,8 +136,8 @@ class Adaptive:
         cands = [c for c in self.candidates if c is self.spec or allowed is None or shape_label(c) in allowed]
         if len(acc) == 0:
             return None if None in cands else self.spec
-        for c in cands:  # measure every candidate's cost first, the configured shape first
-            if len(self.cost.get((shape_label(c), batch), [])) < 2:
+        for c in cands:  # measure every candidate's cost first (at some batch size), the configured shape first
+            if not self._costed(c, batch):
                 return c
 
         def rate(c):
@@ -215,8 +216,29 @@ class Adaptive:
         _THREADS.add(thread)
         thread.start()
 
+    def _measured(self, spec: SpecConfig | None) -> dict[int, float]:
+        """batch size -> median seconds per round of `spec`, where measured at least twice."""
+        label = shape_label(spec)
+        return {b: float(np.median(v)) for (lb, b), v in self.cost.items() if lb == label and len(v) >= 2}
+
+    def _costed(self, spec: SpecConfig | None, batch: int) -> bool:
+        return len(self.cost.get((shape_label(spec), batch), [])) >= 2 or bool(self._measured(spec))
+
     def round_cost(self, spec: SpecConfig | None, batch: int) -> float:
-        return float(np.median(self.cost[(shape_label(spec), batch)]))
+        """Seconds per round of `spec` at `batch`: the median of its samples there, else interpolated
+        linearly between the nearest batch sizes measured below and above (the nearest one when on
+        one side only). Every batch size is thus chosen for from the first one measured: with
+        requests finishing one by one a server meets many batch sizes, and measuring each candidate
+        at each of them first kept it on the configured shape for most of its dispatches."""
+        own = self.cost.get((shape_label(spec), batch), [])
+        if len(own) >= 2:
+            return float(np.median(own))
+        known = self._measured(spec)
+        lo = max((b for b in known if b < batch), default=None)
+        hi = min((b for b in known if b > batch), default=None)
+        if lo is None or hi is None:
+            return known[hi if lo is None else lo]
+        return known[lo] + (known[hi] - known[lo]) * (batch - lo) / (hi - lo)
 
     def run(
         self,
