@@ -84,8 +84,7 @@ def clear_cache() -> None:
     jax.clear_caches(): frees their memory mappings); they compile again when next needed."""
     for eng in list(_LIVE):
         eng._block_programs.clear()
-        if eng.adaptive is not None:
-            eng.adaptive.ready.clear()
+        eng.adaptive.ready.clear()
 
 
 class Engine:
@@ -198,7 +197,8 @@ class Engine:
         self.adaptive = Adaptive(self.spec) if self.spec.adaptive else None
         # (shape label, rounds, program signature) -> block programs adaptive speculation compiled ahead
         self._block_programs: dict[tuple, Any] = {}
-        _LIVE.add(self)
+        if self.adaptive is not None:
+            _LIVE.add(self)
         self._corpus: Corpus | None = None
         if self.spec.algorithm == "NGRAM":
             self.reset_ngram_corpus()

@@ -13,9 +13,10 @@ Modes (norms, embeddings, LM heads (but see head_int8 below) and the KV cache ke
   unquant    (draft only) keep the draft unquantized under a quantized target
 
 Under w8a8_int8 a target (or STANDALONE draft) also gets `head_int8`, an int8 copy of its LM head
-[H, V] (of the tied embedding, transposed, when tied) that computes its logits: on CPU the float
-LM head is a sixth of a w8a8 decode step. The float embedding / LM head stay (token embeddings and
-EAGLE drafts read them), so this costs V * H bytes more memory.
+[H, V] (of the tied embedding, transposed, when tied) that computes its logits: a float LM head
+can weigh as much as all the int8 layers (SmolLM2-135M: 113 MB against 106 MB). The float
+embedding / LM head stay (token embeddings and EAGLE drafts read them), so this costs V * H bytes
+more memory.
 Every `Linear` but LM heads gets an integer/fp8 `kernel` [in, out] and a float32 `scale` [out];
 `Linear.__call__` computes (x @ q) * scale with q converted to x's dtype (XLA:GPU fuses that conversion
 into the matmul; XLA:CPU materialises the float weight first, so on CPU it saves memory, not time);

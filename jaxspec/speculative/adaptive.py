@@ -137,7 +137,7 @@ class Adaptive:
         if len(acc) == 0:
             return None if None in cands else self.spec
         for c in cands:  # measure every candidate's cost first (at some batch size), the configured shape first
-            if not self._costed(c, batch):
+            if not self._measured(c):
                 return c
 
         def rate(c):
@@ -220,9 +220,6 @@ class Adaptive:
         """batch size -> median seconds per round of `spec`, where measured at least twice."""
         label = shape_label(spec)
         return {b: float(np.median(v)) for (lb, b), v in self.cost.items() if lb == label and len(v) >= 2}
-
-    def _costed(self, spec: SpecConfig | None, batch: int) -> bool:
-        return len(self.cost.get((shape_label(spec), batch), [])) >= 2 or bool(self._measured(spec))
 
     def round_cost(self, spec: SpecConfig | None, batch: int) -> float:
         """Seconds per round of `spec` at `batch`: the median of its samples there, else interpolated
