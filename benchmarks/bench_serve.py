@@ -1,7 +1,7 @@
 """Load test of `jaxspec serve`: plain vs speculative serving, side by side in one run.
 
     python benchmarks/bench_serve.py [--modes plain eagle3 eagle3-static] [--concurrency 1 4 16]
-        [--requests 16] [--time-limit 300] [--max-tokens 128] [--temperature 0 1]
+        [--requests 16] [--time-limit 300] [--max-tokens 128] [--ignore-eos] [--temperature 0 1]
 
 It starts one server per mode on 127.0.0.1 (free ports; loopback only), waits until every one has
 finished its background compiles (so that none takes cores from another's timed level), then for
@@ -10,7 +10,8 @@ machine: MT-bench first turns as streaming chat completions from `c` client thre
 output throughput (completion tokens / wall time), request latency and time-to-first-token
 percentiles, the gaps between streamed chunks (how smooth streaming is), the mean accept length,
 and the share of rounds run with each tree shape (adaptive speculation). Each level is bounded
-by --requests and --time-limit; each level first runs once untimed (--warmup) for every mode.
+by --requests and --time-limit; each level first runs once untimed (--warmup) for every mode,
+and every server finishes the compiles it was asked for before any level is timed.
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ def one_request(port, question, args, temperature):
         "temperature": temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **({"ignore_eos": True} if args.ignore_eos else {}),
     }
     t0 = time.perf_counter()
     ttft = last = None
@@ -224,6 +226,12 @@ def main():
         "--time-limit", type=float, default=300, help="seconds per level before workers stop taking requests"
     )
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every request generates --max-tokens (otherwise sampled lengths differ between modes, and with "
+        "all requests of a level sent at once its wall time is the longest one's)",
+    )
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="levels are run at each")
     ap.add_argument("--context-length", type=int, default=2048)
     ap.add_argument("--model-path", default=None)
@@ -234,7 +242,8 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     questions = mtbench_first_turns(max(args.requests, 2) + 1)[1:]
-    print(f"# {machine()}\n# max_tokens {args.max_tokens}, {args.requests} requests per level")
+    eos = ", EOS ignored" if args.ignore_eos else ""
+    print(f"# {machine()}\n# max_tokens {args.max_tokens}{eos}, {args.requests} requests per level")
     print(
         "| mode | temperature | concurrency | requests | out tok/s | accept | latency p50 / p90 / p99 (s) | TTFT p50 / p99 (s) "
         "| stream gap p50 / p99 (ms) | rounds per shape |"
@@ -252,6 +261,9 @@ def main():
                 for port, _, _ in servers.values():
                     run_level(port, questions, conc, temperature, args)
             for mode, (port, _, startup) in servers.items():
+                # programs a server was asked for (a call's own shape where a larger one served it)
+                # compile while it is idle: not while another server's level is timed
+                wait_background([p for p, _, _ in servers.values()], args.startup_timeout)
                 before = shape_rounds(port)
                 r = dict(mode=mode, startup_s=startup, **run_level(port, questions, conc, temperature, args))
                 ran = {k: v - before.get(k, 0) for k, v in shape_rounds(port).items()}

@@ -61,6 +61,10 @@ SHORT_CHUNK = 64  # the smallest prefill chunk (or --chunked-prefill-size if sma
 # (vm.max_map_count, 65530 by default): an XLA:CPU program maps about 800 regions, so a few
 # dozen programs beyond the start-up set would make the next compile fail and abort the process.
 MAP_BUDGET = 0.7
+# Programs calls asked for (`want`: adaptive speculation's other candidates at the batch size and
+# span the configured shape ran at; reached through a larger program instead, plain steps cost
+# 5x as much on a 2-core CPU) are compiled first, and past MAP_BUDGET up to this share.
+WANTED_BUDGET = 0.8
 
 
 def map_usage() -> tuple[int, int] | None:
@@ -133,6 +137,8 @@ class Programs:
         self.idle_only = jax.devices()[0].platform == "cpu"  # background compiles only while no request runs
         # (key, program) compiled in the background, not yet run once
         self.fresh: collections.deque = collections.deque()
+        self.wanted: collections.deque = collections.deque()  # keys calls asked for (`want`), compiled first
+        self._asked: set[tuple] = set()
 
     # ---- shapes --------------------------------------------------------------------------------
 
@@ -392,43 +398,76 @@ class Programs:
             s.batch, _ = prog(eng.params, eng.dparams, b.placed(jax.device_put), jnp.zeros((s.slots,), bool))
         jax.block_until_ready(s.batch)
 
-    def start_background(self) -> None:
-        """Compiles background_keys() in a low-priority thread (stopped by stop())."""
-        keys = self.background_keys()
-        self.background_total = len(keys)
+    def want(self, key: tuple) -> None:
+        """Asks the background thread to compile `key` before its own list (once per key; nothing
+        when it is compiled already, without a background thread, or once it has stopped for
+        good)."""
+        if key in self._asked or self._thread is None or self._stop:
+            return
+        self._asked.add(key)
+        if key not in self._table():
+            with self.lock:
+                self.background_total += 1
+            self.wanted.append(key)
 
-        def run():
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-            except (AttributeError, OSError):
-                pass
-            t = time.perf_counter()
-            for key in keys:
-                if self._stop:
-                    return
+    def start_background(self) -> None:
+        """Compiles the keys calls `want`, then background_keys(), in a low-priority thread (stopped
+        by stop()); once the list is done or past MAP_BUDGET, it keeps compiling wanted keys while
+        the process is under WANTED_BUDGET."""
+        keys = collections.deque(self.background_keys())
+        self.background_total = listed = len(keys)
+        t = time.perf_counter()
+
+        def next_key():
+            """The next key to compile (None: stop), after waiting for a quiet moment on a CPU."""
+            while not self._stop:
                 usage = map_usage()
-                if usage is not None and usage[0] > MAP_BUDGET * usage[1]:
-                    self.background_total = self.background_done
+                share = usage[0] / usage[1] if usage is not None else 0.0
+                if keys and share > MAP_BUDGET:
                     logger.warning(
-                        "background compiles stopped after %d of %d programs: the process holds %d memory maps of "
+                        "background compiles stopped after %d programs, %d left: the process holds %d memory maps of "
                         "the kernel's %d (vm.max_map_count); the shapes left are served by larger programs",
                         self.background_done,
                         len(keys),
                         *usage,
                     )
-                    return
-                if self.idle_only:  # on a CPU, compiling takes the cores a request would use: wait for a quiet moment
-                    while not self._stop and not self.sched.idle_for(0.5):
-                        time.sleep(0.1)
-                try:
-                    prog = self.compile(key)
-                    with self.sched.lock:  # the scheduler thread runs it once at its next idle moment
-                        self.fresh.append((key, prog))
-                        self.sched.wake.notify()
-                except Exception:
-                    logger.exception("background compile of %s failed", key)
-                self.background_done += 1
-            logger.info("compiled %d background programs in %.0f s", len(keys), time.perf_counter() - t)
+                    with self.lock:
+                        self.background_total -= len(keys)
+                    keys.clear()
+                    nonlocal listed
+                    listed = 0
+                if share > WANTED_BUDGET:
+                    with self.lock:
+                        self.background_total = self.background_done
+                    self._stop = True  # for good: `want` asks no more
+                    return None
+                if self.wanted or keys:
+                    # on a CPU, compiling takes the cores a request would use: wait for a quiet moment
+                    if not self.idle_only or self.sched.idle_for(0.5):
+                        return self.wanted.popleft() if self.wanted else keys.popleft()
+                time.sleep(0.1)
+            return None
+
+        def run():
+            nonlocal listed
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            except (AttributeError, OSError):
+                pass
+            while (key := next_key()) is not None:
+                if key not in self._table():
+                    try:
+                        prog = self.compile(key)
+                        with self.sched.lock:  # the scheduler thread runs it once at its next idle moment
+                            self.fresh.append((key, prog))
+                            self.sched.wake.notify()
+                    except Exception:
+                        logger.exception("background compile of %s failed", key)
+                with self.lock:
+                    self.background_done += 1
+                if listed and not keys:
+                    logger.info("compiled %d background programs in %.0f s", listed, time.perf_counter() - t)
+                    listed = 0
 
         self._thread = threading.Thread(target=run, name="jaxspec-compile", daemon=True)
         self._thread.start()

@@ -147,7 +147,6 @@ class Pending:
     seq: int = 0  # this call's place among the device calls (Scheduler._seq)
     t_enqueued: float = 0.0
     spec: Any = None  # dispatch: the tree shape it ran (None: plain steps or plain decoding)
-    n_act: int = 0  # dispatch: the batch size it was chosen for
     key: tuple = ()  # dispatch: its compiled program
     compiles: tuple[int, int] = (0, 0)  # dispatch: Programs.compile_mark() when it was enqueued
 
@@ -750,6 +749,9 @@ class Scheduler:
         lps = any(r.top_logprobs is not None for r in busy.values())
         gram = any(r.handle >= 0 for r in busy.values())
         spec = self._choose(busy, n_act, span, sampled, lps, gram)
+        if not gram:  # each shape's own program for this call, compiled at the next quiet moment
+            for x in self.shapes:
+                self.programs.want(("dispatch", n_act, span, sampled, x, lps, gram))
         key = self.programs.dispatch_key(n_act, span, sampled, shape_label(spec), lps, gram)
         if key is None:  # another candidate chosen but not compiled yet: the configured shape serves as well
             spec, key = self.spec, self.programs.dispatch_key(n_act, span, sampled, logprobs=lps, grammar=gram)
@@ -758,16 +760,18 @@ class Scheduler:
         t = time.perf_counter()
         self.batch, outs = prog(eng.params, eng.dparams, self.batch, jnp.asarray(kill))
         marks = self.programs.compile_mark()
-        self._pending.append(Pending("dispatch", [], busy, outs, self._seq, t, spec, n_act, key, marks))
+        self._pending.append(Pending("dispatch", [], busy, outs, self._seq, t, spec, key, marks))
 
     def _choose(self, busy: dict[int, Request], n_act: int, span: int, sampled: bool, lps: bool, gram: bool = False):
         """The tree shape for the next dispatch, or None (plain steps): adaptive speculation's
         choice from the running requests' acceptance so far (self.spec when it is off), among the
         candidates that a compiled program covers for this call (a candidate without one would
-        never be measured, and the choice would stay on it)."""
+        never be measured, and the choice would stay on it), each costed at the batch size and span
+        of the program it would run with."""
         if self.adaptive is None:
             return self.spec
-        allowed = [x for x in self.shapes if self.programs.dispatch_key(n_act, span, sampled, x, lps, gram) is not None]
+        keys = {x: self.programs.dispatch_key(n_act, span, sampled, x, lps, gram) for x in self.shapes}
+        allowed = {x: (k[1], k[2]) for x, k in keys.items() if k is not None}
         spec_reqs = [r for r in busy.values() if r.speculative]
         none = self.adaptive.empty(1)[0]
         acc = np.array([none if r.acc is None else r.acc for r in spec_reqs]).reshape((-1,) + none.shape)
@@ -853,7 +857,18 @@ class Scheduler:
         quiet = begun == ended and self.programs.compile_mark() == item.compiles  # no compile shared the CPU
         if seq == item.seq - 1:
             dt = t_got - max(item.t_enqueued, t_prev)
-            self.adaptive.observe_cost(item.spec, item.n_act, dt, rounds if quiet else 0, (label, *item.key))
+            n, span = item.key[1], item.key[2]
+            self.adaptive.observe_cost(item.spec, n, dt, rounds if quiet else 0, (label, *item.key), span)
+            logger.debug(
+                "dispatch %s: %d requests by a program of batch %d, span %d: %d rounds in %.1f ms%s",
+                label,
+                len(took),
+                n,
+                span,
+                rounds,
+                dt * 1e3,
+                "" if quiet else " (beside a compile)",
+            )
         if item.spec is None:
             return
         reqs = [(s, r) for s, r in item.slots.items() if r.speculative and s in took]

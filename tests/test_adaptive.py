@@ -5,6 +5,8 @@ and keeps the draft in step with the target, in the offline engine and per serve
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -62,9 +64,9 @@ def test_choice_is_among_the_candidates_that_can_run():
     configured shape would run in its place), and the choice would stay on it for good."""
     a = Adaptive(SPEC)
     one, none = np.array([True]), a.empty(1)
-    a.cost[("2/1/3", 1)] = [0.06, 0.06]
+    a.cost[("2/1/3", 1, 0)] = [0.06, 0.06]
     assert a.choose(1, none, one, allowed=["2/1/3", OFF]) is None  # not the shallower shape: plain steps next
-    a.cost[(OFF, 1)] = [0.02, 0.02]
+    a.cost[(OFF, 1, 0)] = [0.02, 0.02]
     low = np.array([[[100, 10], [10, 0]]], float)
     assert a.choose(1, low, one, allowed=["2/1/3", OFF]) is None
     assert a.choose(1, low, one, allowed=["2/1/3"]) is SPEC  # only the configured shape has a program
@@ -77,13 +79,13 @@ def test_choice_follows_cost_and_acceptance():
     one = np.array([True])
     none = a.empty(1)
     assert a.choose(1, none, one) is SPEC  # no cost measured yet: each candidate in turn
-    a.cost[("2/1/3", 1)] = [0.06, 0.05, 0.07]
+    a.cost[("2/1/3", 1, 0)] = [0.06, 0.05, 0.07]
     assert a.choose(1, none, one) is half
-    a.cost[("1/1/2", 1)] = [0.05, 0.045]
+    a.cost[("1/1/2", 1, 0)] = [0.05, 0.045]
     assert a.choose(1, none, one) is None
-    a.cost[(OFF, 1)] = [0.035]
+    a.cost[(OFF, 1, 0)] = [0.035]
     assert a.choose(1, none, one) is None  # measured twice before it counts
-    a.cost[(OFF, 1)] = [0.035, 0.5, 0.03]  # one slow block does not decide
+    a.cost[(OFF, 1, 0)] = [0.035, 0.5, 0.03]  # one slow block does not decide
     acc = lambda tried, passed: np.array([[tried, passed]], float)
     # depth 1 accepted 10%: 1.16 / 0.0475 and 1.2 / 0.06 < 1 / 0.035
     low = acc([100, 10], [10, 0])
@@ -97,7 +99,7 @@ def test_choice_follows_cost_and_acceptance():
     mid = acc([1000, 600], [600, 60])
     assert a.choose(1, mid, one) is half
     # within the margin: 1 / 0.035 is 2% above the best shape's rate, so speculation goes on
-    a.cost[("1/1/2", 1)] = [0.0571, 0.0571]
+    a.cost[("1/1/2", 1, 0)] = [0.0571, 0.0571]
     assert a.choose(1, mid, one) is half
     # requests that never speculate add one token per round to every candidate
     assert a.choose(1, low, one, n_plain=3) is None
@@ -117,16 +119,38 @@ def test_costs_at_unmeasured_batch_sizes_are_interpolated():
     measured ones (the nearest one beyond them), so a new batch size needs no measuring first."""
     a = Adaptive(SPEC)
     one, none = np.array([True]), a.empty(1)
-    a.cost[("2/1/3", 2)] = [0.02, 0.02]
-    a.cost[("2/1/3", 6)] = [0.06, 0.06, 0.07]
-    a.cost[("2/1/3", 4)] = [0.5]  # one sample: not yet its own
+    a.cost[("2/1/3", 2, 0)] = [0.02, 0.02]
+    a.cost[("2/1/3", 6, 0)] = [0.06, 0.06, 0.07]
+    a.cost[("2/1/3", 4, 0)] = [0.5]  # one sample: not yet its own
     assert a.round_cost(SPEC, 2) == 0.02 and a.round_cost(SPEC, 4) == pytest.approx(0.04)
     assert a.round_cost(SPEC, 1) == 0.02 and a.round_cost(SPEC, 8) == 0.06
     assert a.choose(5, none, one) is a.candidates[1]  # the shallower shape was never measured anywhere
-    a.cost[("1/1/2", 2)] = [0.015, 0.015]
-    a.cost[(OFF, 2)] = [0.01, 0.01]
+    a.cost[("1/1/2", 2, 0)] = [0.015, 0.015]
+    a.cost[(OFF, 2, 0)] = [0.01, 0.01]
     low = np.array([[[100, 10], [10, 0]]], float)
     assert a.choose(5, low, one) is None  # decided at batch 5 from batch 2's costs alone
+
+
+def test_costs_are_those_of_the_program_each_candidate_would_run():
+    """A server call runs through the cheapest compiled program that covers it: costs are kept per
+    (batch size, span) of that program, and each candidate is costed where it would run. A span
+    never measured takes the nearest one's costs."""
+    a = Adaptive(SPEC)
+    one = np.array([True])
+    low = np.array([[[100, 10], [10, 0]]], float)  # E[tokens] 1.1 per round of the tree
+    a.cost[("2/1/3", 8, 256)] = [0.10, 0.10]
+    a.cost[("1/1/2", 8, 256)] = [0.09, 0.09]
+    a.cost[(OFF, 8, 256)] = [0.04, 0.04]
+    a.cost[(OFF, 16, 1024)] = [0.12, 0.12]
+    assert a.round_cost(None, 8, 256) == 0.04 and a.round_cost(None, 16, 1024) == 0.12
+    assert a.round_cost(None, 8, 512) == 0.12  # 256 and 1024 equally near on a log scale: the larger
+    a.cost[(OFF, 16, 512)] = [0.08, 0.08]
+    assert a.round_cost(None, 8, 512) == 0.08  # the nearest span measured, its nearest batch size
+    assert a.round_cost(SPEC, 4, 128) == a.round_cost(SPEC, 8, 128) == 0.10
+    # plain steps only through the large program: 1 token / 0.12 s loses to 1.1 / 0.10 s
+    assert a.choose(8, low, one, allowed={"2/1/3": (8, 256), OFF: (16, 1024)}) is SPEC
+    # through the exact one: 1 / 0.04 s wins
+    assert a.choose(8, low, one, allowed={"2/1/3": (8, 256), OFF: (8, 256)}) is None
 
 
 @pytest.mark.parametrize(
@@ -254,13 +278,15 @@ def test_server_measures_costs_and_acceptance(models, plain):  # noqa: F811
     sched = Scheduler(eng, max_running_requests=2, overlap=False)
     a, picks, choose = sched.adaptive, [], sched.adaptive.choose
 
-    def favoured(batch, acc, greedy, n_plain=0, **_):
+    def favoured(batch, acc, greedy, n_plain=0, allowed=None):
         """The candidate the measurements so far favour (the costs of sub-millisecond rounds move
-        from one dispatch to the next, so this is judged when each choice is made)."""
+        from one dispatch to the next, so this is judged when each choice is made), each costed at
+        the program it would run with."""
         rate = {}
         for c in a.candidates:
             tokens = len(acc) if c is None else a.expected_tokens(acc, greedy, c).sum()
-            rate[shape_label(c)] = (tokens + n_plain) / a.round_cost(c, batch)
+            where = allowed.get(shape_label(c), (batch, 0)) if isinstance(allowed, dict) else (batch, 0)
+            rate[shape_label(c)] = (tokens + n_plain) / a.round_cost(c, *where)
         best = max(list(rate)[:-1], key=rate.get)  # the tree shapes' best, unless plain steps beat it by the margin
         return OFF if rate[OFF] > rate[best] * (1 + MARGIN) else best
 
@@ -352,4 +378,43 @@ def test_background_compiles_stop_within_the_memory_map_budget(models, monkeypat
         progs.start_background()
         progs._thread.join(30)
     assert progs.background_done == progs.background_total == 2
-    assert "background compiles stopped after 2 of" in caplog.text
+    assert "background compiles stopped after 2 programs" in caplog.text
+
+
+def test_programs_calls_want_compile_first_and_past_the_list_budget(models, monkeypatch, caplog):  # noqa: F811
+    """A call served through a larger program asks for its own (`want`): the background compiles it
+    before its list, and goes on compiling such programs after the list stopped at MAP_BUDGET,
+    up to WANTED_BUDGET."""
+    import server.programs as programs_module
+    from server.scheduler import Scheduler
+
+    sched = Scheduler(engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True), max_running_requests=2)
+    progs = sched.programs
+    progs.lazy = False
+    done: list[tuple] = []
+    # the map usage grows with each compile: under MAP_BUDGET, between the budgets, over WANTED_BUDGET
+    levels = [100, 0.75 * 65_530, 0.9 * 65_530]
+    monkeypatch.setattr(programs_module, "map_usage", lambda: (levels[min(len(done), 2)], 65_530))
+    monkeypatch.setattr(progs, "compile", done.append)
+    idle = threading.Event()  # the background compiles only while the scheduler is idle
+    monkeypatch.setattr(sched, "idle_for", lambda seconds: idle.is_set())
+    monkeypatch.setattr(progs, "idle_only", True)
+    first, second = ("dispatch", 2, 128, True, OFF, False, False), ("dispatch", 2, 256, True, OFF, False, False)
+    progs.want(first)  # no background thread yet: nothing to ask
+    assert not progs.wanted
+    with caplog.at_level("WARNING", logger="jaxspec.server"):
+        progs.start_background()
+        progs.want(first)
+        progs.want(first)  # once per key
+        idle.set()
+        for _ in range(300):
+            if "stopped after 1 programs" in caplog.text:
+                break
+            time.sleep(0.01)
+        progs.want(second)
+        progs._thread.join(30)
+    assert not progs._thread.is_alive()
+    assert done == [first, second]  # wanted first; the list stopped at MAP_BUDGET, the wanted key still compiled
+    assert progs.background_done == progs.background_total == 2
+    progs.want(("dispatch", 1, 64, True, OFF, False, False))  # stopped for good: nothing more is asked
+    assert progs.background_total == 2 and not progs.wanted

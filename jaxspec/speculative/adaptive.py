@@ -9,9 +9,12 @@ requests still running is run:
 
     value(shape) = sum over running requests of E[tokens per round | shape, request] / cost(shape, B)
 
-cost: seconds per round of (shape, batch size B), the median over the last COST_SAMPLES blocks
-that did not compile (a median, so that one slow block, e.g. a busy machine, does not decide);
-at a batch size not yet measured twice, interpolated from the batch sizes that were.
+cost: seconds per round of (shape, batch size B, span S) of the program that would run it (the
+server runs a call through the cheapest compiled program that covers it, whose batch size and KV
+span may be larger than the call's; the offline engine has one span, 0), the median over the last
+COST_SAMPLES blocks that did not compile (a median, so that one slow block, e.g. a busy machine,
+does not decide); at a batch size not yet measured twice, interpolated from the batch sizes that
+were at the same span (or the nearest span measured).
 E[tokens per round]: 1 without speculation; with d draft steps 1 + sum_{j <= d} P(accepted >= j),
 P(accepted >= j) = prod_{i <= j} P(depth i accepted | depth i - 1 was), each factor counted over
 the rounds that reached depth i (a product-limit estimate: rounds of a shallower shape say nothing
@@ -36,7 +39,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import jax
@@ -91,8 +94,8 @@ class Adaptive:
 
     spec: SpecConfig
     rounds: int = BLOCK_ROUNDS  # rounds (or plain steps) per block
-    # (label, B) -> seconds per round of the last blocks
-    cost: dict[tuple[str, int], list[float]] = dataclasses.field(default_factory=dict)
+    # (label, B, S) -> seconds per round of the last blocks
+    cost: dict[tuple[str, int, int], list[float]] = dataclasses.field(default_factory=dict)
     compiled: set[tuple] = dataclasses.field(default_factory=set)  # program signatures run at least once
     # program signatures compiled ahead (offline engine, `run`): those a block may run without waiting
     ready: set[tuple] = dataclasses.field(default_factory=set)
@@ -127,12 +130,20 @@ class Adaptive:
         return 1.0 + np.cumprod(cond, -1)[:, : spec.num_steps].sum(-1)
 
     def choose(
-        self, batch: int, acc: np.ndarray, greedy: np.ndarray, n_plain: int = 0, allowed: Collection[str] | None = None
+        self,
+        batch: int,
+        acc: np.ndarray,
+        greedy: np.ndarray,
+        n_plain: int = 0,
+        allowed: Collection[str] | Mapping[str, tuple[int, int]] | None = None,
     ) -> SpecConfig | None:
         """The candidate for the next block; acc: [R, 2, D] and greedy [R] of the running
         speculative requests; n_plain: running requests that never speculate (one token per round
         either way); allowed: the labels of the candidates that can run now (the server: those with
-        a compiled program for this call; the configured shape always can), default all."""
+        a compiled program for this call; the configured shape always can), default all; as a
+        mapping, label -> (batch size, span) of the program each would run with (its cost is
+        looked up there instead of at (batch, 0))."""
+        where = allowed if isinstance(allowed, Mapping) else {}
         cands = [c for c in self.candidates if c is self.spec or allowed is None or shape_label(c) in allowed]
         if len(acc) == 0:
             return None if None in cands else self.spec
@@ -142,10 +153,20 @@ class Adaptive:
 
         def rate(c):
             tokens = len(acc) if c is None else self.expected_tokens(acc, greedy, c).sum()
-            return (tokens + n_plain) / self.round_cost(c, batch)
+            return (tokens + n_plain) / cost(c)
+
+        def cost(c):
+            return self.round_cost(c, *where.get(shape_label(c), (batch, 0)))
 
         best = max([c for c in cands if c is not None], key=rate)
         pick = None if None in cands and rate(None) > rate(best) * (1 + MARGIN) else best
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "adaptive: batch %d, %s -> %s",
+                batch,
+                ", ".join(f"{shape_label(c)} {cost(c) * 1e3:.1f} ms/round {rate(c):.1f} tok/s" for c in cands),
+                shape_label(pick),
+            )
         if self.exploring and pick is not self.spec:  # the last block looked again and confirmed: look less often
             self.explore_gap = min(2 * self.explore_gap, EXPLORE_MAX)
         self.exploring = False
@@ -158,11 +179,14 @@ class Adaptive:
             return self.spec
         return pick
 
-    def observe_cost(self, spec: SpecConfig | None, batch: int, seconds: float, rounds: int, sig: tuple) -> None:
-        """A block of `rounds` rounds of `spec` at batch size `batch` took `seconds`. sig: the
-        compiled program that ran it; its first run (compiling, setting up) is not a cost sample."""
+    def observe_cost(
+        self, spec: SpecConfig | None, batch: int, seconds: float, rounds: int, sig: tuple, span: int = 0
+    ) -> None:
+        """A block of `rounds` rounds of `spec` by a program of batch size `batch` and KV span
+        `span` took `seconds`. sig: the compiled program that ran it; its first run (compiling,
+        setting up) is not a cost sample."""
         if sig in self.compiled and rounds > 0:
-            key = (shape_label(spec), batch)
+            key = (shape_label(spec), batch, span)
             self.cost[key] = [*self.cost.get(key, []), seconds / rounds][-COST_SAMPLES:]
         self.compiled.add(sig)
 
@@ -216,21 +240,27 @@ class Adaptive:
         _THREADS.add(thread)
         thread.start()
 
-    def _measured(self, spec: SpecConfig | None) -> dict[int, float]:
-        """batch size -> median seconds per round of `spec`, where measured at least twice."""
+    def _measured(self, spec: SpecConfig | None) -> dict[tuple[int, int], float]:
+        """(batch size, span) -> median seconds per round of `spec`, where measured at least twice."""
         label = shape_label(spec)
-        return {b: float(np.median(v)) for (lb, b), v in self.cost.items() if lb == label and len(v) >= 2}
+        return {(b, s): float(np.median(v)) for (lb, b, s), v in self.cost.items() if lb == label and len(v) >= 2}
 
-    def round_cost(self, spec: SpecConfig | None, batch: int) -> float:
-        """Seconds per round of `spec` at `batch`: the median of its samples there, else interpolated
-        linearly between the nearest batch sizes measured below and above (the nearest one when on
-        one side only). Every batch size is thus chosen for from the first one measured: with
-        requests finishing one by one a server meets many batch sizes, and measuring each candidate
-        at each of them first kept it on the configured shape for most of its dispatches."""
-        own = self.cost.get((shape_label(spec), batch), [])
+    def round_cost(self, spec: SpecConfig | None, batch: int, span: int = 0) -> float:
+        """Seconds per round of `spec` at (`batch`, `span`): the median of its samples there, else
+        interpolated linearly between the nearest batch sizes measured below and above at that span
+        (the nearest one when on one side only; at the nearest span measured, the larger on a tie,
+        when none was at this one). Every batch size is thus chosen for from the first one
+        measured: with requests finishing one by one a server meets many batch sizes, and
+        measuring each candidate at each of them first kept it on the configured shape for most of
+        its dispatches."""
+        own = self.cost.get((shape_label(spec), batch, span), [])
         if len(own) >= 2:
             return float(np.median(own))
-        known = self._measured(spec)
+        measured = self._measured(spec)
+        near = min({s for _, s in measured}, key=lambda s: (abs(np.log2(max(s, 1) / max(span, 1))), -s))
+        known = {b: v for (b, s), v in measured.items() if s == near}
+        if batch in known:
+            return known[batch]
         lo = max((b for b in known if b < batch), default=None)
         hi = min((b for b in known if b > batch), default=None)
         if lo is None or hi is None:
@@ -265,7 +295,7 @@ class Adaptive:
             allowed = None
             if precompile is not None:
                 # once the configured shape has been timed here (a short request compiles nothing more)
-                if len(self.cost.get((shape_label(self.spec), batch), [])) >= 2:
+                if len(self.cost.get((shape_label(self.spec), batch, 0), [])) >= 2:
                     self._compile_ahead(precompile, signature)
                 allowed = {shape_label(c) for c in self.candidates if (shape_label(c), *signature) in self.ready}
             c = self.choose(batch, acc[running], greedy[running], allowed=allowed)
