@@ -2,7 +2,7 @@
 speculative server's candidates (the configured tree, the shallower one, plain steps that keep the
 draft up to date), at a given number of busy slots and KV span.
 
-    python benchmarks/bench_dispatch.py [--slots 1 4 16] [--span 256] [--reps 12] [--in-major]
+    python benchmarks/bench_dispatch.py [--slots 1 4 16] [--span 256] [--reps 12] [--in-major] [--sampled]
 
 --in-major: the engines keep in-major kernels (CPU engines otherwise store them out-major,
 models/llama.py:out_major), to compare the layouts run against run.
@@ -31,10 +31,12 @@ from jaxspec.cache import KVCache
 from server.scheduler import Scheduler
 
 
-def time_dispatch(sched: Scheduler, n: int, span: int, shape: str, reps: int) -> tuple[float, float, float]:
-    """(median seconds per dispatch, tokens emitted per slot, rounds per slot) of the greedy
-    dispatch program of `shape` for slots [0, n) at `span`."""
-    key = ("dispatch", n, span, False, shape, False, False)
+def time_dispatch(
+    sched: Scheduler, n: int, span: int, shape: str, reps: int, sampled: bool = False
+) -> tuple[float, float, float]:
+    """(median seconds per dispatch, tokens emitted per slot, rounds per slot) of the greedy (or
+    `sampled`: the sampling) dispatch program of `shape` for slots [0, n) at `span`."""
+    key = ("dispatch", n, span, sampled, shape, False, False)
     prog = sched.programs.get(key)
     sched.programs.exercise(key, prog)
     times = []
@@ -63,20 +65,27 @@ def main():
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--context-length", type=int, default=1024)
     ap.add_argument("--in-major", action="store_true", help="in-major kernels (the layout GPU engines use)")
+    ap.add_argument(
+        "--sampled",
+        action="store_true",
+        help="the sampling programs (the server's at temperature > 0; slots stay greedy)",
+    )
     args = ap.parse_args()
     kw = dict(show_progress=False, context_length=args.context_length, _out_major=not args.in_major)
     plain = jaxspec.Engine(speculative_algorithm="NONE", **kw)
     spec = jaxspec.Engine(**kw)
-    print(f"machine: {machine()}; span {args.span}, greedy, {'in' if args.in_major else 'out'}-major kernels")
+    print(
+        f"machine: {machine()}; span {args.span}, {'sampling' if args.sampled else 'greedy'} programs, {'in' if args.in_major else 'out'}-major kernels"
+    )
     print("| slots | program | ms per dispatch | tokens per slot | rounds per slot | round / plain step |")
     print("|---|---|---|---|---|---|")
     for n in args.slots:
         sp, ss = Scheduler(plain, max_running_requests=n), Scheduler(spec, max_running_requests=n)
-        ms, toks, _ = time_dispatch(sp, n, args.span, sp.main_shape, args.reps)
+        ms, toks, _ = time_dispatch(sp, n, args.span, sp.main_shape, args.reps, args.sampled)
         step = ms / toks
         print(f"| {n} | plain server | {ms * 1e3:.1f} | {toks:.1f} | {toks:.1f} | 1.00 |", flush=True)
         for shape in ss.shapes:
-            ms, toks, rounds = time_dispatch(ss, n, args.span, shape, args.reps)
+            ms, toks, rounds = time_dispatch(ss, n, args.span, shape, args.reps, args.sampled)
             name = "plain steps (off)" if shape == "off" else f"tree {shape}"
             print(
                 f"| {n} | {name} | {ms * 1e3:.1f} | {toks:.1f} | {rounds:.1f} | {ms / rounds / step:.2f} |", flush=True
