@@ -29,7 +29,9 @@ compiles every other shape (most useful first: the
 greedy-only twins of the start-up dispatches, then, with adaptive speculation, their twins for
 its other candidates; with the persistent compilation cache, a restart loads them from disk), and
 each call takes the cheapest program compiled so far that covers it (adaptive speculation runs
-another candidate only once a program of that candidate covers the call).
+another candidate only once a program of that candidate covers the call). A call served through a
+larger program asks for its own (`want`; the scheduler asks for the configured shape's and plain
+steps'), which the background thread compiles before the rest of its list.
 Only with --disable-cuda-graph (nothing compiled ahead) does a call compile on first use.
 """
 

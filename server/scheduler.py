@@ -62,7 +62,7 @@ from jaxspec.requests import (
 )
 from jaxspec.sampling import SamplingParams, SamplingTensors, any_sampled
 from jaxspec.serving import SlotBatch
-from jaxspec.speculative.adaptive import Adaptive, shape_label
+from jaxspec.speculative.adaptive import OFF, Adaptive, shape_label
 from server.detokenize import DetokState, detokenize
 from server.memory import MemoryPlan, plan_slots
 from server.programs import Programs
@@ -241,6 +241,7 @@ class Scheduler:
         self._pending: collections.deque[Pending] = collections.deque()
         self._rng = np.random.default_rng(0)
         self._seq = 0  # device calls enqueued so far (prefill chunks, admissions, dispatches)
+        self._admit_seq = 0  # the last prefill chunk, admission or prefix copy among them
         self._last_fetched = (-1, 0.0)  # (seq, time) of the latest device call whose results arrived
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -605,6 +606,7 @@ class Scheduler:
         """The KV of the first `columns` positions of slot src into slot dst (copy_prefix)."""
         prog = self.programs.get(("copy", self._span(columns)))
         self._seq += 1
+        self._admit_seq = self._seq
         self.batch = prog(self.batch, jnp.int32(src), jnp.int32(dst), jnp.int32(columns))
 
     def forget(self, rows, col: int) -> None:
@@ -671,6 +673,7 @@ class Scheduler:
         sl = slice(c * chunk, (c + 1) * chunk)
         prog = self.programs.get(g.keys[c])
         self._seq += 1
+        self._admit_seq = self._seq
         self.batch = prog(
             eng.params,
             eng.dparams,
@@ -703,6 +706,7 @@ class Scheduler:
             seen[i, r.ids] = True
         prog = self.programs.get(("finish", n))
         self._seq += 1
+        self._admit_seq = self._seq
         self.batch, first = prog(
             eng.params,
             eng.dparams,
@@ -749,9 +753,12 @@ class Scheduler:
         lps = any(r.top_logprobs is not None for r in busy.values())
         gram = any(r.handle >= 0 for r in busy.values())
         spec = self._choose(busy, n_act, span, sampled, lps, gram)
-        if not gram:  # each shape's own program for this call, compiled at the next quiet moment
-            for x in self.shapes:
-                self.programs.want(("dispatch", n_act, span, sampled, x, lps, gram))
+        if not gram:
+            # this call's own programs (where a larger one serves it), compiled at the next quiet
+            # moment: the configured shape's and plain steps', sampling ones (they serve greedy
+            # slots too): the memory-map budget holds only a few more programs
+            for x in dict.fromkeys((self.main_shape, OFF)) & self.shapes.keys():
+                self.programs.want(("dispatch", n_act, span, True, x, lps, False))
         key = self.programs.dispatch_key(n_act, span, sampled, shape_label(spec), lps, gram)
         if key is None:  # another candidate chosen but not compiled yet: the configured shape serves as well
             spec, key = self.spec, self.programs.dispatch_key(n_act, span, sampled, logprobs=lps, grammar=gram)
@@ -771,7 +778,7 @@ class Scheduler:
         if self.adaptive is None:
             return self.spec
         keys = {x: self.programs.dispatch_key(n_act, span, sampled, x, lps, gram) for x in self.shapes}
-        allowed = {x: (k[1], k[2]) for x, k in keys.items() if k is not None}
+        allowed = {x: (k[1], k[2], k[3]) for x, k in keys.items() if k is not None}
         spec_reqs = [r for r in busy.values() if r.speculative]
         none = self.adaptive.empty(1)[0]
         acc = np.array([none if r.acc is None else r.acc for r in spec_reqs]).reshape((-1,) + none.shape)
@@ -838,8 +845,9 @@ class Scheduler:
         round and the acceptance of its speculative requests. The device runs the calls in order,
         so a dispatch started when it was enqueued or when the call before it finished, whichever
         was later; it is timed only when that call's results were the last to arrive (a prefill
-        chunk in between, whose end is not seen, would count as the dispatch's) and no compile (a
-        background one) ran meanwhile, which would make its shape look slow. t_got: when its
+        chunk in between, whose end is not seen, would count as the dispatch's), no compile (a
+        background one) ran meanwhile, which would make its shape look slow, and no prefill or
+        admission was enqueued after it before its results were fetched. t_got: when its
         results arrived."""
         label = shape_label(item.spec)
         took = {s: int(vct[s]) - r.verify_ct for s, r in item.slots.items() if not (r.finished or r.cancelled)}
@@ -855,10 +863,13 @@ class Scheduler:
         seq, t_prev = self._last_fetched
         begun, ended = item.compiles
         quiet = begun == ended and self.programs.compile_mark() == item.compiles  # no compile shared the CPU
+        # nor did the host enqueue admissions before it fetched these results (a burst of arrivals
+        # delays the fetch: the first dispatch of a level once looked 10x as slow as it was)
+        quiet &= self._admit_seq < item.seq
         if seq == item.seq - 1:
             dt = t_got - max(item.t_enqueued, t_prev)
-            n, span = item.key[1], item.key[2]
-            self.adaptive.observe_cost(item.spec, n, dt, rounds if quiet else 0, (label, *item.key), span)
+            n, span, kind = item.key[1:4]
+            self.adaptive.observe_cost(item.spec, n, dt, rounds if quiet else 0, (label, *item.key), span, kind)
             logger.debug(
                 "dispatch %s: %d requests by a program of batch %d, span %d: %d rounds in %.1f ms%s",
                 label,

@@ -64,9 +64,9 @@ def test_choice_is_among_the_candidates_that_can_run():
     configured shape would run in its place), and the choice would stay on it for good."""
     a = Adaptive(SPEC)
     one, none = np.array([True]), a.empty(1)
-    a.cost[("2/1/3", 1, 0)] = [0.06, 0.06]
+    a.cost[("2/1/3", 1, 0, False)] = [0.06, 0.06]
     assert a.choose(1, none, one, allowed=["2/1/3", OFF]) is None  # not the shallower shape: plain steps next
-    a.cost[(OFF, 1, 0)] = [0.02, 0.02]
+    a.cost[(OFF, 1, 0, False)] = [0.02, 0.02]
     low = np.array([[[100, 10], [10, 0]]], float)
     assert a.choose(1, low, one, allowed=["2/1/3", OFF]) is None
     assert a.choose(1, low, one, allowed=["2/1/3"]) is SPEC  # only the configured shape has a program
@@ -79,13 +79,13 @@ def test_choice_follows_cost_and_acceptance():
     one = np.array([True])
     none = a.empty(1)
     assert a.choose(1, none, one) is SPEC  # no cost measured yet: each candidate in turn
-    a.cost[("2/1/3", 1, 0)] = [0.06, 0.05, 0.07]
+    a.cost[("2/1/3", 1, 0, False)] = [0.06, 0.05, 0.07]
     assert a.choose(1, none, one) is half
-    a.cost[("1/1/2", 1, 0)] = [0.05, 0.045]
+    a.cost[("1/1/2", 1, 0, False)] = [0.05, 0.045]
     assert a.choose(1, none, one) is None
-    a.cost[(OFF, 1, 0)] = [0.035]
+    a.cost[(OFF, 1, 0, False)] = [0.035]
     assert a.choose(1, none, one) is None  # measured twice before it counts
-    a.cost[(OFF, 1, 0)] = [0.035, 0.5, 0.03]  # one slow block does not decide
+    a.cost[(OFF, 1, 0, False)] = [0.035, 0.5, 0.03]  # one slow block does not decide
     acc = lambda tried, passed: np.array([[tried, passed]], float)
     # depth 1 accepted 10%: 1.16 / 0.0475 and 1.2 / 0.06 < 1 / 0.035
     low = acc([100, 10], [10, 0])
@@ -99,7 +99,7 @@ def test_choice_follows_cost_and_acceptance():
     mid = acc([1000, 600], [600, 60])
     assert a.choose(1, mid, one) is half
     # within the margin: 1 / 0.035 is 2% above the best shape's rate, so speculation goes on
-    a.cost[("1/1/2", 1, 0)] = [0.0571, 0.0571]
+    a.cost[("1/1/2", 1, 0, False)] = [0.0571, 0.0571]
     assert a.choose(1, mid, one) is half
     # requests that never speculate add one token per round to every candidate
     assert a.choose(1, low, one, n_plain=3) is None
@@ -119,38 +119,41 @@ def test_costs_at_unmeasured_batch_sizes_are_interpolated():
     measured ones (the nearest one beyond them), so a new batch size needs no measuring first."""
     a = Adaptive(SPEC)
     one, none = np.array([True]), a.empty(1)
-    a.cost[("2/1/3", 2, 0)] = [0.02, 0.02]
-    a.cost[("2/1/3", 6, 0)] = [0.06, 0.06, 0.07]
-    a.cost[("2/1/3", 4, 0)] = [0.5]  # one sample: not yet its own
+    a.cost[("2/1/3", 2, 0, False)] = [0.02, 0.02]
+    a.cost[("2/1/3", 6, 0, False)] = [0.06, 0.06, 0.07]
+    a.cost[("2/1/3", 4, 0, False)] = [0.5]  # one sample: not yet its own
     assert a.round_cost(SPEC, 2) == 0.02 and a.round_cost(SPEC, 4) == pytest.approx(0.04)
     assert a.round_cost(SPEC, 1) == 0.02 and a.round_cost(SPEC, 8) == 0.06
     assert a.choose(5, none, one) is a.candidates[1]  # the shallower shape was never measured anywhere
-    a.cost[("1/1/2", 2, 0)] = [0.015, 0.015]
-    a.cost[(OFF, 2, 0)] = [0.01, 0.01]
+    a.cost[("1/1/2", 2, 0, False)] = [0.015, 0.015]
+    a.cost[(OFF, 2, 0, False)] = [0.01, 0.01]
     low = np.array([[[100, 10], [10, 0]]], float)
     assert a.choose(5, low, one) is None  # decided at batch 5 from batch 2's costs alone
 
 
 def test_costs_are_those_of_the_program_each_candidate_would_run():
     """A server call runs through the cheapest compiled program that covers it: costs are kept per
-    (batch size, span) of that program, and each candidate is costed where it would run. A span
-    never measured takes the nearest one's costs."""
+    (batch size, span, sampling or greedy) of that program, and each candidate is costed where it
+    would run. A span never measured takes the nearest one's costs, of the same kind first."""
     a = Adaptive(SPEC)
     one = np.array([True])
     low = np.array([[[100, 10], [10, 0]]], float)  # E[tokens] 1.1 per round of the tree
-    a.cost[("2/1/3", 8, 256)] = [0.10, 0.10]
-    a.cost[("1/1/2", 8, 256)] = [0.09, 0.09]
-    a.cost[(OFF, 8, 256)] = [0.04, 0.04]
-    a.cost[(OFF, 16, 1024)] = [0.12, 0.12]
+    a.cost[("2/1/3", 8, 256, False)] = [0.10, 0.10]
+    a.cost[("1/1/2", 8, 256, False)] = [0.09, 0.09]
+    a.cost[(OFF, 8, 256, False)] = [0.04, 0.04]
+    a.cost[(OFF, 16, 1024, False)] = [0.12, 0.12]
     assert a.round_cost(None, 8, 256) == 0.04 and a.round_cost(None, 16, 1024) == 0.12
     assert a.round_cost(None, 8, 512) == 0.12  # 256 and 1024 equally near on a log scale: the larger
-    a.cost[(OFF, 16, 512)] = [0.08, 0.08]
+    a.cost[(OFF, 16, 512, False)] = [0.08, 0.08]
     assert a.round_cost(None, 8, 512) == 0.08  # the nearest span measured, its nearest batch size
     assert a.round_cost(SPEC, 4, 128) == a.round_cost(SPEC, 8, 128) == 0.10
+    # a sampling program is a kind of its own: its costs first, whatever their span
+    a.cost[("2/1/3", 8, 128, True)] = [0.2, 0.2]
+    assert a.round_cost(SPEC, 8, 256, True) == 0.2 and a.round_cost(SPEC, 8, 256) == 0.10
     # plain steps only through the large program: 1 token / 0.12 s loses to 1.1 / 0.10 s
-    assert a.choose(8, low, one, allowed={"2/1/3": (8, 256), OFF: (16, 1024)}) is SPEC
+    assert a.choose(8, low, one, allowed={"2/1/3": (8, 256, False), OFF: (16, 1024, False)}) is SPEC
     # through the exact one: 1 / 0.04 s wins
-    assert a.choose(8, low, one, allowed={"2/1/3": (8, 256), OFF: (8, 256)}) is None
+    assert a.choose(8, low, one, allowed={"2/1/3": (8, 256, False), OFF: (8, 256, False)}) is None
 
 
 @pytest.mark.parametrize(
@@ -285,7 +288,7 @@ def test_server_measures_costs_and_acceptance(models, plain):  # noqa: F811
         rate = {}
         for c in a.candidates:
             tokens = len(acc) if c is None else a.expected_tokens(acc, greedy, c).sum()
-            where = allowed.get(shape_label(c), (batch, 0)) if isinstance(allowed, dict) else (batch, 0)
+            where = allowed.get(shape_label(c), (batch, 0, False)) if isinstance(allowed, dict) else (batch, 0, False)
             rate[shape_label(c)] = (tokens + n_plain) / a.round_cost(c, *where)
         best = max(list(rate)[:-1], key=rate.get)  # the tree shapes' best, unless plain steps beat it by the margin
         return OFF if rate[OFF] > rate[best] * (1 + MARGIN) else best

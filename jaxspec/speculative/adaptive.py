@@ -9,12 +9,13 @@ requests still running is run:
 
     value(shape) = sum over running requests of E[tokens per round | shape, request] / cost(shape, B)
 
-cost: seconds per round of (shape, batch size B, span S) of the program that would run it (the
-server runs a call through the cheapest compiled program that covers it, whose batch size and KV
-span may be larger than the call's; the offline engine has one span, 0), the median over the last
+cost: seconds per round of (shape, batch size B, span S, sampled) of the program that would run it
+(the server runs a call through the cheapest compiled program that covers it, whose batch size and
+KV span may be larger than the call's, and a sampling program may serve greedy calls; the offline
+engine has one span, 0, and one kind), the median over the last
 COST_SAMPLES blocks that did not compile (a median, so that one slow block, e.g. a busy machine,
 does not decide); at a batch size not yet measured twice, interpolated from the batch sizes that
-were at the same span (or the nearest span measured).
+were at the same span and kind (or the nearest span measured, of the same kind first).
 E[tokens per round]: 1 without speculation; with d draft steps 1 + sum_{j <= d} P(accepted >= j),
 P(accepted >= j) = prod_{i <= j} P(depth i accepted | depth i - 1 was), each factor counted over
 the rounds that reached depth i (a product-limit estimate: rounds of a shallower shape say nothing
@@ -141,8 +142,8 @@ class Adaptive:
         speculative requests; n_plain: running requests that never speculate (one token per round
         either way); allowed: the labels of the candidates that can run now (the server: those with
         a compiled program for this call; the configured shape always can), default all; as a
-        mapping, label -> (batch size, span) of the program each would run with (its cost is
-        looked up there instead of at (batch, 0))."""
+        mapping, label -> (batch size, span, sampled) of the program each would run with (its
+        cost is looked up there instead of at (batch, 0, False))."""
         where = allowed if isinstance(allowed, Mapping) else {}
         cands = [c for c in self.candidates if c is self.spec or allowed is None or shape_label(c) in allowed]
         if len(acc) == 0:
@@ -180,13 +181,20 @@ class Adaptive:
         return pick
 
     def observe_cost(
-        self, spec: SpecConfig | None, batch: int, seconds: float, rounds: int, sig: tuple, span: int = 0
+        self,
+        spec: SpecConfig | None,
+        batch: int,
+        seconds: float,
+        rounds: int,
+        sig: tuple,
+        span: int = 0,
+        sampled: bool = False,
     ) -> None:
-        """A block of `rounds` rounds of `spec` by a program of batch size `batch` and KV span
-        `span` took `seconds`. sig: the compiled program that ran it; its first run (compiling,
+        """A block of `rounds` rounds of `spec` by a program of batch size `batch`, KV span `span`
+        and kind `sampled` (a sampling program, or greedy-only) took `seconds`. sig: the compiled program that ran it; its first run (compiling,
         setting up) is not a cost sample."""
         if sig in self.compiled and rounds > 0:
-            key = (shape_label(spec), batch, span)
+            key = (shape_label(spec), batch, span, sampled)
             self.cost[key] = [*self.cost.get(key, []), seconds / rounds][-COST_SAMPLES:]
         self.compiled.add(sig)
 
@@ -240,25 +248,27 @@ class Adaptive:
         _THREADS.add(thread)
         thread.start()
 
-    def _measured(self, spec: SpecConfig | None) -> dict[tuple[int, int], float]:
-        """(batch size, span) -> median seconds per round of `spec`, where measured at least twice."""
+    def _measured(self, spec: SpecConfig | None) -> dict[tuple[int, int, bool], float]:
+        """(batch size, span, sampled) -> median seconds per round of `spec`, where measured at least twice."""
         label = shape_label(spec)
-        return {(b, s): float(np.median(v)) for (lb, b, s), v in self.cost.items() if lb == label and len(v) >= 2}
+        return {k[1:]: float(np.median(v)) for k, v in self.cost.items() if k[0] == label and len(v) >= 2}
 
-    def round_cost(self, spec: SpecConfig | None, batch: int, span: int = 0) -> float:
-        """Seconds per round of `spec` at (`batch`, `span`): the median of its samples there, else
-        interpolated linearly between the nearest batch sizes measured below and above at that span
-        (the nearest one when on one side only; at the nearest span measured, the larger on a tie,
-        when none was at this one). Every batch size is thus chosen for from the first one
+    def round_cost(self, spec: SpecConfig | None, batch: int, span: int = 0, sampled: bool = False) -> float:
+        """Seconds per round of `spec` at (`batch`, `span`, `sampled`): the median of its samples
+        there, else interpolated linearly between the nearest batch sizes measured below and above
+        at that span and kind (the nearest one when on one side only; when none was measured there,
+        at the nearest span measured of the same kind if any, the larger span on a tie). Every batch size is thus chosen for from the first one
         measured: with requests finishing one by one a server meets many batch sizes, and
         measuring each candidate at each of them first kept it on the configured shape for most of
         its dispatches."""
-        own = self.cost.get((shape_label(spec), batch, span), [])
+        own = self.cost.get((shape_label(spec), batch, span, sampled), [])
         if len(own) >= 2:
             return float(np.median(own))
         measured = self._measured(spec)
-        near = min({s for _, s in measured}, key=lambda s: (abs(np.log2(max(s, 1) / max(span, 1))), -s))
-        known = {b: v for (b, s), v in measured.items() if s == near}
+        near = min(
+            {k[1:] for k in measured}, key=lambda k: (k[1] != sampled, abs(np.log2(max(k[0], 1) / max(span, 1))), -k[0])
+        )
+        known = {b: v for (b, *k), v in measured.items() if tuple(k) == near}
         if batch in known:
             return known[batch]
         lo = max((b for b in known if b < batch), default=None)
@@ -295,7 +305,7 @@ class Adaptive:
             allowed = None
             if precompile is not None:
                 # once the configured shape has been timed here (a short request compiles nothing more)
-                if len(self.cost.get((shape_label(self.spec), batch, 0), [])) >= 2:
+                if len(self.cost.get((shape_label(self.spec), batch, 0, False), [])) >= 2:
                     self._compile_ahead(precompile, signature)
                 allowed = {shape_label(c) for c in self.candidates if (shape_label(c), *signature) in self.ready}
             c = self.choose(batch, acc[running], greedy[running], allowed=allowed)
