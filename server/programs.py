@@ -63,9 +63,9 @@ SHORT_CHUNK = 64  # the smallest prefill chunk (or --chunked-prefill-size if sma
 # (vm.max_map_count, 65530 by default): an XLA:CPU program maps about 800 regions, so a few
 # dozen programs beyond the start-up set would make the next compile fail and abort the process.
 MAP_BUDGET = 0.7
-# Programs calls asked for (`want`: adaptive speculation's other candidates at the batch size and
-# span the configured shape ran at; reached through a larger program instead, plain steps cost
-# 5x as much on a 2-core CPU) are compiled first, and past MAP_BUDGET up to this share.
+# Programs calls asked for (`want`: the configured shape's and plain steps' at the batch size and
+# span of a call that a larger program served; through the larger one, plain steps cost 5x as much
+# on a 2-core CPU) are compiled first, and past MAP_BUDGET up to this share.
 WANTED_BUDGET = 0.8
 
 

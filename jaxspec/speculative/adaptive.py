@@ -12,10 +12,10 @@ requests still running is run:
 cost: seconds per round of (shape, batch size B, span S, sampled) of the program that would run it
 (the server runs a call through the cheapest compiled program that covers it, whose batch size and
 KV span may be larger than the call's, and a sampling program may serve greedy calls; the offline
-engine has one span, 0, and one kind), the median over the last
-COST_SAMPLES blocks that did not compile (a median, so that one slow block, e.g. a busy machine,
-does not decide); at a batch size not yet measured twice, interpolated from the batch sizes that
-were at the same span and kind (or the nearest span measured, of the same kind first).
+engine has one span, 0, and one kind), the median over the last COST_SAMPLES blocks that did not
+compile (a median, so that one slow block, e.g. a busy machine, does not decide); at a batch size
+not yet measured twice, interpolated from the batch sizes that were at the same span and kind (or
+the nearest span measured, of the same kind first).
 E[tokens per round]: 1 without speculation; with d draft steps 1 + sum_{j <= d} P(accepted >= j),
 P(accepted >= j) = prod_{i <= j} P(depth i accepted | depth i - 1 was), each factor counted over
 the rounds that reached depth i (a product-limit estimate: rounds of a shallower shape say nothing
@@ -95,8 +95,8 @@ class Adaptive:
 
     spec: SpecConfig
     rounds: int = BLOCK_ROUNDS  # rounds (or plain steps) per block
-    # (label, B, S) -> seconds per round of the last blocks
-    cost: dict[tuple[str, int, int], list[float]] = dataclasses.field(default_factory=dict)
+    # (label, B, S, sampled) -> seconds per round of the last blocks
+    cost: dict[tuple[str, int, int, bool], list[float]] = dataclasses.field(default_factory=dict)
     compiled: set[tuple] = dataclasses.field(default_factory=set)  # program signatures run at least once
     # program signatures compiled ahead (offline engine, `run`): those a block may run without waiting
     ready: set[tuple] = dataclasses.field(default_factory=set)
@@ -136,7 +136,7 @@ class Adaptive:
         acc: np.ndarray,
         greedy: np.ndarray,
         n_plain: int = 0,
-        allowed: Collection[str] | Mapping[str, tuple[int, int]] | None = None,
+        allowed: Collection[str] | Mapping[str, tuple[int, int, bool]] | None = None,
     ) -> SpecConfig | None:
         """The candidate for the next block; acc: [R, 2, D] and greedy [R] of the running
         speculative requests; n_plain: running requests that never speculate (one token per round
@@ -191,8 +191,8 @@ class Adaptive:
         sampled: bool = False,
     ) -> None:
         """A block of `rounds` rounds of `spec` by a program of batch size `batch`, KV span `span`
-        and kind `sampled` (a sampling program, or greedy-only) took `seconds`. sig: the compiled program that ran it; its first run (compiling,
-        setting up) is not a cost sample."""
+        and kind `sampled` (a sampling program, or greedy-only) took `seconds`. sig: the compiled
+        program that ran it; its first run (compiling, setting up) is not a cost sample."""
         if sig in self.compiled and rounds > 0:
             key = (shape_label(spec), batch, span, sampled)
             self.cost[key] = [*self.cost.get(key, []), seconds / rounds][-COST_SAMPLES:]
@@ -257,10 +257,10 @@ class Adaptive:
         """Seconds per round of `spec` at (`batch`, `span`, `sampled`): the median of its samples
         there, else interpolated linearly between the nearest batch sizes measured below and above
         at that span and kind (the nearest one when on one side only; when none was measured there,
-        at the nearest span measured of the same kind if any, the larger span on a tie). Every batch size is thus chosen for from the first one
-        measured: with requests finishing one by one a server meets many batch sizes, and
-        measuring each candidate at each of them first kept it on the configured shape for most of
-        its dispatches."""
+        at the nearest span measured of the same kind if any, the larger span on a tie). Every batch
+        size is thus chosen for from the first one measured: with requests finishing one by one a
+        server meets many batch sizes, and measuring each candidate at each of them first kept it
+        on the configured shape for most of its dispatches."""
         own = self.cost.get((shape_label(spec), batch, span, sampled), [])
         if len(own) >= 2:
             return float(np.median(own))
