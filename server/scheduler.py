@@ -757,7 +757,7 @@ class Scheduler:
             # this call's own programs (where a larger one serves it), compiled at the next quiet
             # moment: the configured shape's and plain steps', sampling ones (they serve greedy
             # slots too): the memory-map budget holds only a few more programs
-            for x in dict.fromkeys((self.main_shape, OFF)) & self.shapes.keys():
+            for x in {self.main_shape, OFF} & self.shapes.keys():
                 self.programs.want(("dispatch", n_act, span, True, x, lps, False))
         key = self.programs.dispatch_key(n_act, span, sampled, shape_label(spec), lps, gram)
         if key is None:  # another candidate chosen but not compiled yet: the configured shape serves as well
