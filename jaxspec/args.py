@@ -189,8 +189,9 @@ class SpeculativeArgs:
     )
     enable_multi_layer_eagle: bool = flag(
         False,
-        "SGLang: draft with every MTP layer of a checkpoint that has several, one per draft step; not supported "
-        "yet (setting it is an error); without it such a checkpoint drafts with its first MTP layer at every step",
+        "draft with every MTP layer of a checkpoint that has several, layer j for the j-th token after the root "
+        "(a chain: speculative_eagle_topk 1, speculative_num_steps at most the layer count); without it such a "
+        "checkpoint drafts with its first MTP layer at every step",
     )
     speculative_adaptive: bool | None = flag(
         None,
@@ -246,10 +247,16 @@ class SpeculativeArgs:
         if algo == "NONE":
             return
         if self.enable_multi_layer_eagle:
-            raise JaxspecError(
-                "--enable-multi-layer-eagle (one MTP layer per draft step) is not supported yet; without it an "
-                "MTP checkpoint with several layers drafts with its first MTP layer at every step"
-            )
+            if algo != "EAGLE":
+                raise JaxspecError(
+                    "--enable-multi-layer-eagle drafts with the MTP layers of a checkpoint: it needs "
+                    f"--speculative-algorithm EAGLE or NEXTN, not {self.speculative_algorithm}"
+                )
+            if self.speculative_eagle_topk not in (None, 1):
+                raise JaxspecError(
+                    "--enable-multi-layer-eagle drafts a chain (one MTP layer per step): it needs "
+                    f"--speculative-eagle-topk 1, got {self.speculative_eagle_topk}"
+                )
         for name in ("speculative_draft_model_quantization", "speculative_attention_mode"):
             check_choice(self, name)
         for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):

@@ -218,6 +218,8 @@ class SpecConfig:
     # sampled requests draw one path of drafts from the draft distribution and accept it by
     # min(1, p / q) (speculative/tree.py, verify.py); False: the target-only rule throughout
     draft_sampling: bool = True
+    # --enable-multi-layer-eagle: an MTP checkpoint's layers draft one step each (a chain, topk 1)
+    multi_layer: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -278,7 +280,8 @@ class SpecConfig:
                 num_steps, eagle_topk, num_draft_tokens = shipped_tree
             else:
                 llama = target is not None and target.model_type in LLAMA_FAMILY and algo != "STANDALONE"
-                num_steps, eagle_topk, num_draft_tokens = (5, 4, 8) if llama else (3, 1, 4)
+                tree = llama and not a.enable_multi_layer_eagle  # multi-layer MTP drafts a chain
+                num_steps, eagle_topk, num_draft_tokens = (5, 4, 8) if tree else (3, 1, 4)
         cap = tree_capacity(num_steps, eagle_topk)
         if eagle_topk == 1 and num_draft_tokens != cap:
             if warn:
@@ -308,4 +311,5 @@ class SpecConfig:
             acc,
             a.speculative_token_map,
             adaptive=adaptive,
+            multi_layer=bool(a.enable_multi_layer_eagle),
         )

@@ -9,14 +9,17 @@ distribution tests carry over. Cancellation frees the slot and stops it on the d
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from jaxspec.engine import Engine
 from jaxspec.sampling import SamplingParams
 from server.scheduler import Request, Scheduler
 
-from helpers import make_hf_model, save_eagle_head
+from helpers import make_hf_model, mtp_tensors, save_eagle_head
 
 V = 16
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 1, 2, 3, 4], [4], [2, 3, 4, 5, 6, 7], [3] * 20]
@@ -30,8 +33,16 @@ def models(tmp_path_factory):
     tgt.save_pretrained(d / "target")
     make_hf_model("llama", 5, vocab_size=V, num_hidden_layers=1, initializer_range=0.3).save_pretrained(d / "small")
     cfg = tgt.config.to_dict()
+    # a checkpoint with 3 NextN MTP layers after the target's 4 (drafts for the multi-layer MTP runs)
+    mtp = d / "mtp"
+    tgt.save_pretrained(mtp)
+    mcfg = {**json.loads((mtp / "config.json").read_text()), "num_nextn_predict_layers": 3}
+    (mtp / "config.json").write_text(json.dumps(mcfg))
+    t = {k: v for i in range(3) for k, v in mtp_tensors("NEXTN", mcfg, f"model.layers.{4 + i}.", seed=7 + i).items()}
+    save_file(t, str(mtp / "model-mtp.safetensors"))
     return {
         "target": str(d / "target"),
+        "mtp": str(mtp),
         "small": str(d / "small"),
         "eagle3": save_eagle_head(
             d / "eagle3", "EAGLE3", cfg, seed=2, draft_vocab=12, scale=10.0, aux_layer_ids=[0, 1, 2]
@@ -42,7 +53,16 @@ def models(tmp_path_factory):
 
 def engine(models, algo=None, draft=None, **kw):
     spec = {}
-    if algo:
+    if algo == "NEXTN":  # multi-layer MTP: a chain, one MTP layer per step
+        spec = dict(
+            speculative_algorithm=algo,
+            enable_multi_layer_eagle=True,
+            speculative_num_steps=3,
+            speculative_eagle_topk=1,
+            speculative_num_draft_tokens=4,
+            speculative_draft_model_path=models[draft],
+        )
+    elif algo:
         spec = dict(
             speculative_algorithm=algo,
             speculative_num_steps=3,
@@ -80,6 +100,7 @@ def reference(models):
     [
         (None, None),
         ("EAGLE3", "eagle3"),
+        ("NEXTN", "mtp"),
         pytest.param("STANDALONE", "small", marks=pytest.mark.slow),
         pytest.param("NGRAM", None, marks=pytest.mark.slow),
     ],
@@ -315,6 +336,7 @@ def run_script(sched, script=SCRIPT):
     [
         (None, None),
         pytest.param("EAGLE3", "eagle3", marks=pytest.mark.slow),
+        ("NEXTN", "mtp"),
         pytest.param("NGRAM", None, marks=pytest.mark.slow),
     ],
 )
@@ -336,7 +358,7 @@ def test_prefix_cache_identical_outputs_less_prefill(models, algo, draft):
         assert [r["meta_info"]["spec_verify_ct"] for r in on] == [r["meta_info"]["spec_verify_ct"] for r in off]
     assert all(r["meta_info"]["cached_tokens"] == 0 for r in off)
     cached = [r["meta_info"]["cached_tokens"] for r in on]
-    shift = 1 if algo == "EAGLE3" else 0
+    shift = 1 if algo in ("EAGLE3", "NEXTN") else 0
     # a second turn reuses its first turn's prompt and answer but the last two tokens (B's second
     # turn keeps only 8 of 12), the requests sharing a prefix all of it; all but the draft's shift
     assert cached[2:4] == [len(A) + 12 - 2 - shift, len(B) + 8 - shift], cached

@@ -171,9 +171,19 @@ def test_conflicting_and_unknown_values_get_errors(paths, monkeypatch, caplog):
     assert eng.spec.num_draft_tokens == 7 and "lowered to 7" in caplog.text
 
 
-def test_multi_layer_eagle_is_a_clear_error(paths):
-    eargs, _ = parse("--model TARGET --speculative-algorithm EAGLE --enable-multi-layer-eagle", paths)
-    with pytest.raises(JaxspecError, match="not supported yet"):
+def test_multi_layer_eagle_needs_an_mtp_chain(paths):
+    """Accepted with EAGLE / NEXTN (tests/test_mtp_multi_layer.py runs it); refused with an algorithm
+    that has no MTP layers to draft with, or with a tree (topk > 1)."""
+    parse("--model TARGET --speculative-algorithm NEXTN --enable-multi-layer-eagle", paths)[0].validate()
+    eargs, _ = parse("--model TARGET --speculative-algorithm EAGLE3 --enable-multi-layer-eagle", paths)
+    with pytest.raises(JaxspecError, match="needs --speculative-algorithm EAGLE or NEXTN"):
+        eargs.validate()
+    eargs, _ = parse(
+        "--model TARGET --speculative-algorithm EAGLE --enable-multi-layer-eagle --speculative-num-steps 3 "
+        "--speculative-eagle-topk 4 --speculative-num-draft-tokens 16",
+        paths,
+    )
+    with pytest.raises(JaxspecError, match="needs --speculative-eagle-topk 1"):
         eargs.validate()
     eargs, _ = parse("--model TARGET --enable-multi-layer-eagle --speculative-algorithm NONE", paths)
     eargs.validate()  # nothing to draft with: nothing refused

@@ -50,10 +50,12 @@ class NextNHead(nnx.Module):
         self.layer = DecoderLayer(cfg, dtype, rngs)
         self.shared_head = SharedHead(cfg, dtype)
 
-    def __call__(self, embeds, hidden, positions, cache: KVCache, local_mask=None, offset=0, backend="xla"):
-        """embeds, hidden: [B, T, H] -> (normed output for the LM head, the same to feed back, cache)."""
+    def __call__(self, embeds, hidden, positions, cache: KVCache, local_mask=None, offset=0, backend="xla", layer=0):
+        """embeds, hidden: [B, T, H] -> (normed output for the LM head, the same to feed back, cache).
+        layer: the cache layer holding this module's KV (several modules share one cache)."""
         x = self.eh_proj(jnp.concatenate([self.enorm(embeds), self.hnorm(hidden.astype(embeds.dtype))], -1))
-        y, cache = self.layer(x, positions, jnp.asarray(rope_inv_freq(self.cfg)), cache, 0, local_mask, offset, backend)
+        inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
+        y, cache = self.layer(x, positions, inv_freq, cache, layer, local_mask, offset, backend)
         out = self.shared_head.norm(y)
         return out, out, cache
 
@@ -70,30 +72,45 @@ class MiMoMTPHead(nnx.Module):
         self.layer = DecoderLayer(cfg, dtype, rngs)
         self.final_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
 
-    def __call__(self, embeds, hidden, positions, cache: KVCache, local_mask=None, offset=0, backend="xla"):
+    def __call__(self, embeds, hidden, positions, cache: KVCache, local_mask=None, offset=0, backend="xla", layer=0):
         embeds = jnp.where((positions == 0)[..., None], 0, embeds)
         x = self.input_proj(
             jnp.concatenate([self.hidden_layernorm(hidden.astype(embeds.dtype)), self.token_layernorm(embeds)], -1)
         )
-        y, cache = self.layer(x, positions, jnp.asarray(rope_inv_freq(self.cfg)), cache, 0, local_mask, offset, backend)
+        inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
+        y, cache = self.layer(x, positions, inv_freq, cache, layer, local_mask, offset, backend)
         out = self.final_layernorm(y)
         return out, out, cache
 
 
 def mtp_layout(config: dict, names) -> tuple[str, str] | None:
-    """(kind, tensor prefix) of the MTP module a checkpoint carries, or None.
+    """(kind, tensor prefix) of the first MTP module a checkpoint carries, or None."""
+    layouts = mtp_layouts(config, names)
+    return None if layouts is None else (layouts[0], layouts[1][0])
 
-    NEXTN: `model.layers.{num_hidden_layers}.eh_proj.weight` (or layer 0 in a one-layer draft export);
-    MIMO: `model.mtp_layers.0.input_proj.weight`."""
+
+def mtp_layouts(config: dict, names) -> tuple[str, list[str]] | None:
+    """(kind, tensor prefix of each MTP module, in drafting order) of a checkpoint, or None.
+
+    NEXTN: `model.layers.{num_hidden_layers + i}.eh_proj.weight` for module i (layers 0, 1, ... in
+    a draft-only export whose num_hidden_layers is 1), at most num_nextn_predict_layers of them;
+    MIMO: `model.mtp_layers.{i}.input_proj.weight`. Modules count from the first one up to a gap."""
     names = set(names)
+
+    def run(prefix, first: int, marker: str, limit: int) -> list[str]:
+        out: list[str] = []
+        while len(out) < limit and f"{prefix}{first + len(out)}.{marker}" in names:
+            out.append(f"{prefix}{first + len(out)}.")
+        return out
+
     if config.get("num_nextn_predict_layers"):
-        n = config["num_hidden_layers"]
+        n, count = config["num_hidden_layers"], int(config["num_nextn_predict_layers"])
         for k in ([0] if n == 1 else []) + [n]:
-            if f"model.layers.{k}.eh_proj.weight" in names:
-                return "NEXTN", f"model.layers.{k}."
-    if "model.mtp_layers.0.input_proj.weight" in names:
-        return "MIMO", "model.mtp_layers.0."
-    return None
+            found = run("model.layers.", k, "eh_proj.weight", count)
+            if found:
+                return "NEXTN", found
+    found = run("model.mtp_layers.", 0, "input_proj.weight", 1 << 10)
+    return ("MIMO", found) if found else None
 
 
 def is_mtp_tensor(name: str, num_layers: int) -> bool:
@@ -134,3 +151,11 @@ def mtp_key(prefix: str):
 
 def build_mtp(kind: str, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
     return NextNHead(cfg, dtype, rngs=rngs) if kind == "NEXTN" else MiMoMTPHead(cfg, dtype, rngs=rngs)
+
+
+class MTPStack(nnx.Module):
+    """Several MTP modules of one checkpoint, in drafting order (multi-layer MTP: module j drafts
+    the j-th token after the root; speculative/proposers/eagle.py MultiLayerMTPProposer)."""
+
+    def __init__(self, heads: list):
+        self.heads = nnx.List(heads)

@@ -25,6 +25,8 @@ class DraftState:
     cache: KVCache
     root_probs: jax.Array  # [B, Vd] draft distribution of x_L's successor
     root_hidden: jax.Array  # [B, Hd] hidden fed to x_L's children ([B, 1] zeros when unused)
+    # multi-layer MTP, inside a round only: the chain drafted so far [B, d] (None between rounds)
+    chain: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -1,9 +1,19 @@
-"""EAGLE-1/2 and EAGLE-3 heads as proposers.
+"""EAGLE-1/2 and EAGLE-3 heads, and MTP modules, as proposers.
 
 Draft entry p holds (token x_{p+1}, target feature h_p) at position p. Prefill writes entries
 0 .. P-2 chunk by chunk; the extend after each verification (and once after prefill) writes
 (accepted drafts + bonus, target features at the accepted nodes) and commits all of them. The
 last entry's output gives the root distribution and the hidden fed to x_L's children.
+
+Multi-layer MTP (MultiLayerMTPProposer): module j (1-based) at position p reads token x_{p+j}
+and module j-1's output h^{j-1}_p (h^0 = the target's feature) and predicts x_{p+j+1}, as the
+modules were trained. With x_L the last known token, module j holds entries for positions
+p <= L - j: its committed length trails module 1's by j - 1. An extend over new tokens
+x_{L+1} .. x_{L+T} runs every module over T rows: module j from position L - j + 1 on, all with
+the same tokens. The draft is a chain (topk 1): step d runs module d + 1 over positions
+L - d .. L - 1 with the chain's tokens x_{L+1} .. x_{L+d} = d_1 .. d_d, and its row at L - 1
+gives d_{d+1}'s distribution. Module outputs h^j_p are kept per position in the draft cache
+(layers D .. 2D - 2 after the D modules' KV layers), where module j + 1 reads them.
 """
 
 from __future__ import annotations
@@ -17,11 +27,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from convert.sources import open_hf_dir
+from jaxspec.cache import KVCache
 from jaxspec.decode import pick_rows
 from jaxspec.errors import JaxspecError
 from jaxspec.loader import jnp_dtype
 from jaxspec.models.eagle import build_eagle, eagle3_capture_layers, eagle_config, eagle_key
-from jaxspec.models.mtp import build_mtp, mtp_config, mtp_key, mtp_layout
+from jaxspec.models.mtp import MTPStack, build_mtp, mtp_config, mtp_key, mtp_layouts
 from jaxspec.models.params import load_module
 from jaxspec.speculative.proposers.base import DraftState, Proposer, load_token_map
 
@@ -81,6 +92,82 @@ class EagleProposer(Proposer):
         return self._probs(dparams, tgt, head, lh), fb.astype(hidden.dtype), dataclasses.replace(state, cache=cache)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class MultiLayerMTPProposer(EagleProposer):
+    """D MTP modules (an MTPStack), module j drafting the j-th token after the root (a chain).
+
+    Draft cache: layers 0 .. D-1 hold module j's KV at layer j - 1; layers D .. 2D-2 hold module
+    j's outputs h^j_p as keys [B, S, 1, H] at layer D + j - 1 (their values [B, S, 1, 1] unused).
+    `lengths` is module 1's; module j's is max(lengths - (j - 1), 0)."""
+
+    num_modules: int = 2
+
+    def make_cache(self, batch, max_len, dtype):
+        d, h = self.num_modules, self.cfg.hidden_size
+        kv = KVCache.create(dataclasses.replace(self.cfg, num_layers=d), batch, max_len, dtype)
+        outs = tuple(jnp.zeros((batch, max_len, 1, h), dtype) for _ in range(d - 1))
+        unused = tuple(jnp.zeros((batch, max_len, 1, 1), dtype) for _ in range(d - 1))
+        return dataclasses.replace(kv, k=kv.k + outs, v=kv.v + unused)
+
+    def _module(self, dparams, tgt, cache, j: int, tokens, feats, frontier):
+        """Module j over T rows after module 1's frontier [B] (its committed length): rows at
+        positions s + t, s = max(frontier - (j - 1), 0), with token x_{p+j} = tokens[p + j - 1 -
+        frontier] (tokens [B, T] = x_{frontier+1} ..) and hidden h^{j-1}_p (feats [B, T, H] for
+        j = 1, else module j-1's outputs in the cache). Writes the rows' KV (and outputs, j < D)
+        at columns s + t. -> (outputs [B, T, H], s [B], cache)."""
+        d = self.num_modules
+        t = tokens.shape[1]
+        s = jnp.maximum(frontier - (j - 1), 0)
+        pos = s[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
+        toks = jnp.take_along_axis(tokens, jnp.clip(pos + (j - 1) - frontier[:, None], 0, t - 1), 1)
+        if j == 1:
+            hidden = feats
+        else:
+            buf = cache.read(d + j - 2)[0][:, :, 0]  # [B, S, H] module j-1's outputs
+            hidden = jnp.take_along_axis(buf, jnp.clip(pos, 0, buf.shape[1] - 1)[:, :, None], 1)
+        head = nnx.merge(self.graphdef, dparams["draft"]).heads[j - 1]
+        embeds = tgt.embed_tokens[...][toks]
+        lengths = cache.lengths
+        c = dataclasses.replace(cache, lengths=s)
+        out, _, c = head(embeds, hidden, pos, c, None, 0, self.attention_backend, layer=j - 1)
+        if j < d:
+            c = c.write(d + j - 1, out[:, :, None, :], jnp.zeros(out.shape[:2] + (1, 1), out.dtype), s)
+        return out, s, dataclasses.replace(c, lengths=lengths)
+
+    def _all(self, dparams, tgt, cache, tokens, feats, frontier):
+        """Every module over the block; -> (module 1's outputs [B, T, H], cache)."""
+        outs = []
+        for j in range(1, self.num_modules + 1):
+            out, _, cache = self._module(dparams, tgt, cache, j, tokens, feats, frontier)
+            outs.append(out)
+        return outs[0], cache
+
+    def prefill_chunk(self, dparams, tgt, cache, tokens, feats, start, commit_lens):
+        b, c = tokens.shape
+        _, cache = self._all(dparams, tgt, cache, tokens, feats, jnp.full((b,), start, jnp.int32))
+        return dataclasses.replace(cache, lengths=jnp.clip(commit_lens, 0, start + c).astype(jnp.int32))
+
+    def extend(self, dparams, tgt, state, tokens, feats, n_block, active):
+        cache = state.cache
+        out, cache = self._all(dparams, tgt, cache, tokens, feats, cache.lengths)
+        last = pick_rows(out, n_block - 1)
+        root = self._probs(dparams, tgt, None, last)
+        cache = dataclasses.replace(cache, lengths=cache.lengths + jnp.where(active, n_block, 0))
+        keep = active[:, None]
+        root_h = last.astype(state.root_hidden.dtype)
+        return DraftState(cache, jnp.where(keep, root, state.root_probs), jnp.where(keep, root_h, state.root_hidden))
+
+    def step(self, dparams, tgt, state, tokens, hidden, depth, mask, offset):
+        """tokens [B, 1]: d_depth (topk 1); runs module depth + 1 over the chain (mask, offset and
+        hidden unused: the module reads module depth's outputs from the cache)."""
+        chain = tokens if state.chain is None else jnp.concatenate([state.chain, tokens], 1)  # [B, depth]
+        frontier = state.cache.lengths
+        out, s, cache = self._module(dparams, tgt, state.cache, depth + 1, chain, None, frontier)
+        row = pick_rows(out, frontier - 1 - s)[:, None]  # position L - 1
+        probs = self._probs(dparams, tgt, None, row)
+        return probs, row.astype(hidden.dtype), dataclasses.replace(state, cache=cache, chain=chain)
+
+
 def _strip(name: str) -> str:
     return name[len("model.") :] if name.startswith("model.") else name
 
@@ -91,9 +178,11 @@ def load_eagle(spec, target, dtype, progress=True):
         raise JaxspecError(f"EAGLE draft path must be a directory with config.json and weights: {path}")
     src = open_hf_dir(path, check_config=False)
     if spec.algorithm == "EAGLE":
-        layout = mtp_layout(src.config, src.names)
-        if layout is not None:
-            return load_mtp(spec, target, dtype, src, layout, progress)
+        layouts = mtp_layouts(src.config, src.names)
+        if layouts is not None:
+            return load_mtp(spec, target, dtype, src, layouts, progress)
+    if spec.multi_layer:
+        raise JaxspecError(f"--enable-multi-layer-eagle needs a checkpoint with MTP layers; {path} has none")
     kind, cfg, extra = eagle_config(src.config)
     if kind != spec.algorithm:
         want = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}[spec.algorithm]
@@ -144,38 +233,47 @@ def load_eagle(spec, target, dtype, progress=True):
     return prop, dparams
 
 
-def load_mtp(spec, target, dtype, src, layout, progress=True):
-    """An MTP module (DeepSeek NextN or MiMo layout) from `src` (the target's own checkpoint or a
+def load_mtp(spec, target, dtype, src, layouts, progress=True):
+    """The MTP modules (DeepSeek NextN or MiMo layout) of `src` (the target's own checkpoint or a
     separate one) as an EAGLE-path proposer: target features are the final normed hidden, logits
-    come from the target's LM head, multi-step drafting feeds the module's output back."""
-    kind, prefix = layout
+    come from the target's LM head. Without spec.multi_layer the first module drafts every step,
+    its output fed back; with it, module j drafts step j (MultiLayerMTPProposer)."""
+    kind, prefixes = layouts
     cfg = mtp_config(src.config)
     if cfg.hidden_size != target.cfg.hidden_size:
         raise JaxspecError(f"MTP hidden_size {cfg.hidden_size} != target hidden_size {target.cfg.hidden_size}")
     if spec.token_map:
         logger.warning("speculative_token_map is ignored for MTP drafts")
-    shared = (prefix + "embed_tokens.weight", prefix + "shared_head.head.weight")  # the target's own are used
-    names = [n for n in src.names if n.startswith(prefix) and n not in shared]
+    if spec.multi_layer and spec.num_steps > len(prefixes):
+        raise JaxspecError(
+            f"--enable-multi-layer-eagle drafts one token per MTP layer: speculative_num_steps={spec.num_steps} "
+            f"asks for more than the {len(prefixes)} MTP layer(s) of {spec.draft_model_path}"
+        )
+    if not spec.multi_layer and len(prefixes) > 1:
+        logger.info(
+            "%s has %d MTP layers; the first drafts every step (--enable-multi-layer-eagle: one layer per step)",
+            spec.draft_model_path,
+            len(prefixes),
+        )
     jdt = jnp_dtype(dtype)
-    head = load_module(
-        lambda: build_mtp(kind, cfg, jdt, nnx.Rngs(0)),
-        mtp_key(prefix),
-        names,
-        src.get,
-        jdt,
-        progress,
-        desc=f"loading the {kind} MTP module",
-        ignore=lambda n: n.endswith("rotary_emb.inv_freq"),
-    )
-    graphdef, params = nnx.split(head)
-    prop = EagleProposer(
-        graphdef,
-        cfg,
-        root_in_region=False,
-        shift=1,
-        draft_vocab=target.cfg.vocab_size,
-        capture_layers=(),
-        uses_hidden=True,
-        eagle3=False,
-    )
-    return prop, {"draft": params}
+    used = prefixes[: spec.num_steps] if spec.multi_layer else prefixes[:1]
+
+    def load(prefix):
+        shared = (prefix + "embed_tokens.weight", prefix + "shared_head.head.weight")  # the target's own are used
+        return load_module(
+            lambda: build_mtp(kind, cfg, jdt, nnx.Rngs(0)),
+            mtp_key(prefix),
+            [n for n in src.names if n.startswith(prefix) and n not in shared],
+            src.get,
+            jdt,
+            progress,
+            desc=f"loading the {kind} MTP module" + (f" {prefix}" if len(used) > 1 else ""),
+            ignore=lambda n: n.endswith("rotary_emb.inv_freq"),
+        )
+
+    common = dict(root_in_region=False, shift=1, draft_vocab=target.cfg.vocab_size, uses_hidden=True)
+    if spec.multi_layer:
+        graphdef, params = nnx.split(MTPStack([load(p) for p in used]))
+        return MultiLayerMTPProposer(graphdef, cfg, num_modules=len(used), **common), {"draft": params}
+    graphdef, params = nnx.split(load(used[0]))
+    return EagleProposer(graphdef, cfg, **common), {"draft": params}
