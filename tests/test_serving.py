@@ -100,7 +100,7 @@ def reference(models):
     [
         (None, None),
         ("EAGLE3", "eagle3"),
-        ("NEXTN", "mtp"),
+        pytest.param("NEXTN", "mtp", marks=pytest.mark.slow),  # the prefix-cache test below serves it too
         pytest.param("STANDALONE", "small", marks=pytest.mark.slow),
         pytest.param("NGRAM", None, marks=pytest.mark.slow),
     ],
