@@ -98,8 +98,11 @@ def test_choice_follows_cost_and_acceptance():
     # depth 1 often, depth 2 rarely: the shallower shape, 1.6 / 0.0475 > 1.66 / 0.06, 1 / 0.035
     mid = acc([1000, 600], [600, 60])
     assert a.choose(1, mid, one) is half
-    # within the margin: 1 / 0.035 is 2% above the best shape's rate, so speculation goes on
-    a.cost[("1/1/2", 1, 0, False)] = [0.0571, 0.0571]
+    # within the margin: 1.6 / 0.0544 is 3% above 1 / 0.035, not the 5% speculation must gain
+    a.cost[("1/1/2", 1, 0, False)] = [0.0544, 0.0544]
+    a.since_explore = -100  # (no trial of the configured shape in between)
+    assert a.choose(1, mid, one) is None
+    a.cost[("1/1/2", 1, 0, False)] = [0.0515, 0.0515]  # 9% above: speculation
     assert a.choose(1, mid, one) is half
     # requests that never speculate add one token per round to every candidate
     assert a.choose(1, low, one, n_plain=3) is None
@@ -290,8 +293,8 @@ def test_server_measures_costs_and_acceptance(models, plain):  # noqa: F811
             tokens = len(acc) if c is None else a.expected_tokens(acc, greedy, c).sum()
             where = allowed.get(shape_label(c), (batch, 0, False)) if isinstance(allowed, dict) else (batch, 0, False)
             rate[shape_label(c)] = (tokens + n_plain) / a.round_cost(c, *where)
-        best = max(list(rate)[:-1], key=rate.get)  # the tree shapes' best, unless plain steps beat it by the margin
-        return OFF if rate[OFF] > rate[best] * (1 + MARGIN) else best
+        best = max(list(rate)[:-1], key=rate.get)  # the tree shapes' best, if it beats plain steps by the margin
+        return best if rate[best] > rate[OFF] * (1 + MARGIN) else OFF
 
     def spy(*args, **kw):  # (choice, the favoured candidate when every cost was known, else None)
         known = all(a._measured(c) for c in a.candidates)
