@@ -755,11 +755,10 @@ class Scheduler:
         spec = self._choose(busy, n_act, span, sampled, lps, gram)
         if not gram:
             # this call's own programs (where a larger one serves it), compiled at the next quiet
-            # moment: the configured shape's and plain steps', of the call's kind (a sampling
-            # program serves greedy slots too, but its plain steps cost up to 1.4x the greedy
-            # ones); the memory-map budget holds only a few more programs
+            # moment: the configured shape's and plain steps', sampling ones (they serve greedy
+            # slots too): the memory-map budget holds only a few more programs
             for x in {self.main_shape, OFF} & self.shapes.keys():
-                self.programs.want(("dispatch", n_act, span, sampled, x, lps, False))
+                self.programs.want(("dispatch", n_act, span, True, x, lps, False))
         key = self.programs.dispatch_key(n_act, span, sampled, shape_label(spec), lps, gram)
         if key is None:  # another candidate chosen but not compiled yet: the configured shape serves as well
             spec, key = self.spec, self.programs.dispatch_key(n_act, span, sampled, logprobs=lps, grammar=gram)

@@ -424,20 +424,3 @@ def test_programs_calls_want_compile_first_and_past_the_list_budget(models, monk
     assert progs.background_done == progs.background_total == 2
     progs.want(("dispatch", 1, 64, True, OFF, False, False))  # stopped for good: nothing more is asked
     assert progs.background_total == 2 and not progs.wanted
-
-
-def test_a_call_asks_for_the_programs_of_its_own_kind(models, monkeypatch):  # noqa: F811
-    """A greedy dispatch asks for greedy-only programs of the configured shape and of plain steps
-    (a sampling program serves it too, but its plain steps cost up to 1.4x on a CPU); a dispatch
-    with a sampling request asks for sampling ones."""
-    from server.scheduler import Request, Scheduler
-
-    sched = Scheduler(engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True), max_running_requests=2)
-    asked: list[tuple] = []
-    monkeypatch.setattr(sched.programs, "want", asked.append)
-    for params, kind in ((GREEDY, False), (dict(GREEDY, temperature=1.0, seed=1), True)):
-        asked.clear()
-        sched.submit(Request(ids=PROMPTS[0], params=SamplingParams.from_dict(params), emit=lambda e: None))
-        sched.run_until_idle()
-        assert asked and {k[3] for k in asked} == {kind}, asked
-        assert {k[4] for k in asked} == {"3/2/6", OFF}
