@@ -25,9 +25,10 @@ pooled per depth (an approximation when their widths differ). Speculation runs o
 best shape is expected to be MARGIN faster than plain steps: what the estimates leave out (a
 dispatch's host work, admissions waiting behind longer dispatches, the trials below) falls on
 speculation's side, and a gain smaller than that was measured to turn into a loss (the server at
-temperature 0 ran the tree where it expected 0-5% more than plain steps, and lost 9%). While another candidate than the
-configured shape runs, the configured shape is tried again for one block after EXPLORE_MIN blocks,
-an interval that doubles (up to EXPLORE_MAX) each time the trial confirms the choice.
+temperature 0 ran the tree where it expected 0-5% more than plain steps, and lost 9%). While
+another candidate than the configured shape runs, the configured shape is tried again for one
+block after EXPLORE_MIN blocks, an interval that doubles (up to EXPLORE_MAX) each time the trial
+confirms the choice.
 Only candidates with a compiled program are chosen: the server compiles them in the background
 after start-up, the offline engine (`Adaptive.run`) in a background thread when it meets a new
 batch / buffer / cache size, once the configured shape's first blocks have been timed.
