@@ -264,6 +264,29 @@ def mtp_tensors(kind: str, config: dict, prefix: str, seed: int, scale: float = 
     return t
 
 
+def add_mtp_modules(path, kind: str, count: int = 1, seed: int = 7) -> None:
+    """Turns the HF checkpoint directory `path` into one that carries `count` random MTP modules of
+    `kind` (module i seeded seed + i) after its layers: NEXTN at `model.layers.{num_hidden_layers + i}.`
+    with num_nextn_predict_layers, MIMO at `model.mtp_layers.{i}.` with MiMo's architecture."""
+    from safetensors.numpy import save_file
+
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    if kind == "NEXTN":
+        cfg["num_nextn_predict_layers"] = count
+        prefixes = [f"model.layers.{cfg['num_hidden_layers'] + i}." for i in range(count)]
+    else:
+        cfg.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=count)
+        prefixes = [f"model.mtp_layers.{i}." for i in range(count)]
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    tensors: dict = {}
+    for i, prefix in enumerate(prefixes):
+        tensors.update(mtp_tensors(kind, cfg, prefix, seed=seed + i))
+    save_file(tensors, os.path.join(path, "model-mtp.safetensors"))
+
+
 # ---- `jaxspec serve` over HTTP (tests/test_server.py) -------------------------------------------
 
 KEY = "sk-test"

@@ -17,7 +17,7 @@ from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.models.mtp import build_mtp, mtp_config, mtp_key
 
-from helpers import chi2_pvalue, exact_pair_distribution, make_hf_model, mtp_tensors, sample_pairs
+from helpers import add_mtp_modules, chi2_pvalue, exact_pair_distribution, make_hf_model, mtp_tensors, sample_pairs
 
 V = 16
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 1, 2, 3, 4], [4]]
@@ -35,15 +35,7 @@ def models(tmp_path_factory):
             hf.save_pretrained(base)
         path = d / f"{fam}-{kind}"
         shutil.copytree(base, path)
-        cfg = json.loads((path / "config.json").read_text())
-        if kind == "NEXTN":
-            cfg["num_nextn_predict_layers"] = 1
-            prefix = f"model.layers.{cfg['num_hidden_layers']}."
-        else:
-            cfg.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
-            prefix = "model.mtp_layers.0."
-        (path / "config.json").write_text(json.dumps(cfg))
-        save_file(mtp_tensors(kind, cfg, prefix, seed=7), str(path / "model-mtp.safetensors"))
+        add_mtp_modules(path, kind, 1, seed=7)
         out[f"{fam}-{kind}"] = str(path)
         out[f"{fam}-plain"] = str(base)
         out[f"hf-{fam}"] = hf

@@ -5,7 +5,6 @@ computation of every module over the whole sequence."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import jax
@@ -13,14 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import save_file
 
 from jaxspec.cache import KVCache
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.speculative.proposers.base import DraftState
 
-from helpers import chi2_pvalue, exact_pair_distribution, make_hf_model, mtp_tensors, sample_pairs
+from helpers import add_mtp_modules, chi2_pvalue, exact_pair_distribution, make_hf_model, sample_pairs
 
 V = 16
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 1, 2, 3, 4], [4]]
@@ -38,18 +36,7 @@ def models(tmp_path_factory):
         hf.save_pretrained(base)
         path = d / f"{fam}-{kind}"
         shutil.copytree(base, path)
-        cfg = json.loads((path / "config.json").read_text())
-        if kind == "NEXTN":
-            cfg["num_nextn_predict_layers"] = count
-            prefixes = [f"model.layers.{cfg['num_hidden_layers'] + i}." for i in range(count)]
-        else:
-            cfg.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=count)
-            prefixes = [f"model.mtp_layers.{i}." for i in range(count)]
-        (path / "config.json").write_text(json.dumps(cfg))
-        tensors: dict = {}
-        for i, prefix in enumerate(prefixes):
-            tensors.update(mtp_tensors(kind, cfg, prefix, seed=7 + i))
-        save_file(tensors, str(path / "model-mtp.safetensors"))
+        add_mtp_modules(path, kind, count, seed=7)
         out[f"{fam}-{kind}"] = str(path)
         out[f"{fam}-plain"] = str(base)
         out[f"hf-{fam}"] = hf

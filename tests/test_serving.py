@@ -9,17 +9,14 @@ distribution tests carry over. Cancellation frees the slot and stops it on the d
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from jaxspec.engine import Engine
 from jaxspec.sampling import SamplingParams
 from server.scheduler import Request, Scheduler
 
-from helpers import make_hf_model, mtp_tensors, save_eagle_head
+from helpers import add_mtp_modules, make_hf_model, save_eagle_head
 
 V = 16
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 1, 2, 3, 4], [4], [2, 3, 4, 5, 6, 7], [3] * 20]
@@ -36,10 +33,7 @@ def models(tmp_path_factory):
     # a checkpoint with 3 NextN MTP layers after the target's 4 (drafts for the multi-layer MTP runs)
     mtp = d / "mtp"
     tgt.save_pretrained(mtp)
-    mcfg = {**json.loads((mtp / "config.json").read_text()), "num_nextn_predict_layers": 3}
-    (mtp / "config.json").write_text(json.dumps(mcfg))
-    t = {k: v for i in range(3) for k, v in mtp_tensors("NEXTN", mcfg, f"model.layers.{4 + i}.", seed=7 + i).items()}
-    save_file(t, str(mtp / "model-mtp.safetensors"))
+    add_mtp_modules(mtp, "NEXTN", 3, seed=7)
     return {
         "target": str(d / "target"),
         "mtp": str(mtp),
