@@ -3,11 +3,17 @@ speculative server's candidates (the configured tree, the shallower one, plain s
 draft up to date), at a given number of busy slots and KV span.
 
     python benchmarks/bench_dispatch.py [--slots 1 4 16] [--span 256] [--reps 12] [--in-major] [--sampled]
+        [--temperature 0] [--top-p 1]
 
 --in-major: the engines keep in-major kernels (CPU engines otherwise store them out-major,
 models/llama.py:out_major), to compare the layouts run against run.
 
-Every slot decodes from a committed context of span / 2 columns, with no stop in sight, greedy;
+--sampled: the sampling programs (which serve any mix of greedy and sampled slots) instead of the
+greedy-only ones; --temperature / --top-p: what every slot asks for (default greedy; a temperature
+above 0 needs --sampled). --straight-line: the sampler's work is not skipped where no slot needs
+it (on CPU it is, by a conditional; GPU programs stay straight-line).
+
+Every slot decodes from a committed context of span / 2 columns, with no stop in sight;
 each program runs once untimed, then --reps times. Reported per program: the median dispatch
 time, the tokens it emitted per slot (the acceptance here is that of a context of zeros, so only
 the cost columns carry over to real text) and the cost of one round (one decode step of the plain
@@ -27,18 +33,32 @@ import numpy as np
 from common import machine
 
 import jaxspec
+from jaxspec import sampling
 from jaxspec.cache import KVCache
+from jaxspec.sampling import SamplingParams, SamplingTensors
 from server.scheduler import Scheduler
 
 
 def time_dispatch(
-    sched: Scheduler, n: int, span: int, shape: str, reps: int, sampled: bool = False
+    sched: Scheduler,
+    n: int,
+    span: int,
+    shape: str,
+    reps: int,
+    sampled: bool = False,
+    params: SamplingParams | None = None,
 ) -> tuple[float, float, float]:
     """(median seconds per dispatch, tokens emitted per slot, rounds per slot) of the greedy (or
-    `sampled`: the sampling) dispatch program of `shape` for slots [0, n) at `span`."""
+    `sampled`: the sampling) dispatch program of `shape` for slots [0, n) at `span`, every slot
+    asking for `params` (default greedy)."""
     key = ("dispatch", n, span, sampled, shape, False, False)
     prog = sched.programs.get(key)
     sched.programs.exercise(key, prog)
+    grammar = None if sched.batch.st.grammar is None else [-1] * n  # unconstrained handles
+    rows = SamplingTensors.build([params or SamplingParams(temperature=0.0)] * n, list(range(n)), grammar)
+    sched.batch = dataclasses.replace(
+        sched.batch, st=jax.tree_util.tree_map(lambda full, part: full.at[:n].set(part), sched.batch.st, rows)
+    )
     times = []
     for _ in range(reps + 1):
         b = sched.batch
@@ -68,24 +88,38 @@ def main():
     ap.add_argument(
         "--sampled",
         action="store_true",
-        help="the sampling programs (the server's at temperature > 0; slots stay greedy)",
+        help="the sampling programs (they serve any mix of greedy and sampled slots)",
+    )
+    ap.add_argument("--temperature", type=float, default=0.0, help="every slot's temperature (> 0 needs --sampled)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="every slot's top_p")
+    ap.add_argument(
+        "--straight-line",
+        action="store_true",
+        help="the sampler computes what no slot needs too, as GPU programs do (sampling.SKIP_UNUSED = False)",
     )
     args = ap.parse_args()
+    if args.straight_line:
+        sampling.SKIP_UNUSED = False
+    if args.temperature > 0 and not args.sampled:
+        ap.error("--temperature above 0 needs --sampled (greedy programs have no sampler)")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     kw = dict(show_progress=False, context_length=args.context_length, _out_major=not args.in_major)
     plain = jaxspec.Engine(speculative_algorithm="NONE", **kw)
     spec = jaxspec.Engine(**kw)
     print(
-        f"machine: {machine()}; span {args.span}, {'sampling' if args.sampled else 'greedy'} programs, {'in' if args.in_major else 'out'}-major kernels"
+        f"machine: {machine()}; span {args.span}, {'sampling' if args.sampled else 'greedy'} programs, "
+        f"slots at temperature {args.temperature:g}, top_p {args.top_p:g}, "
+        f"{'straight-line sampler' if args.straight_line else 'sampler skips unused work'}, {'in' if args.in_major else 'out'}-major kernels"
     )
     print("| slots | program | ms per dispatch | tokens per slot | rounds per slot | round / plain step |")
     print("|---|---|---|---|---|---|")
     for n in args.slots:
         sp, ss = Scheduler(plain, max_running_requests=n), Scheduler(spec, max_running_requests=n)
-        ms, toks, _ = time_dispatch(sp, n, args.span, sp.main_shape, args.reps, args.sampled)
+        ms, toks, _ = time_dispatch(sp, n, args.span, sp.main_shape, args.reps, args.sampled, params)
         step = ms / toks
         print(f"| {n} | plain server | {ms * 1e3:.1f} | {toks:.1f} | {toks:.1f} | 1.00 |", flush=True)
         for shape in ss.shapes:
-            ms, toks, rounds = time_dispatch(ss, n, args.span, shape, args.reps, args.sampled)
+            ms, toks, rounds = time_dispatch(ss, n, args.span, shape, args.reps, args.sampled, params)
             name = "plain steps (off)" if shape == "off" else f"tree {shape}"
             print(
                 f"| {n} | {name} | {ms * 1e3:.1f} | {toks:.1f} | {rounds:.1f} | {ms / rounds / step:.2f} |", flush=True

@@ -8,7 +8,8 @@ Order (SGLang): penalties -> temperature -> top-k / top-p / min-p -> draw; tempe
 The filters are applied without sorting the vocabulary (one threshold found by bisection,
 `kept_threshold`, 32 passes over the logits; programs for requests that filter nothing leave it
 out, see `sampling_kind`) and the draw reads the vocabulary once (`draw`), so nothing in the
-program waits on the host.
+program waits on the host. A program that serves any mix (the server's) skips on CPU, by a
+conditional, the work no row of the call needs (SKIP_UNUSED); on a GPU it stays straight-line.
 """
 
 from __future__ import annotations
@@ -250,6 +251,29 @@ def apply_penalties(logits, st: SamplingTensors, counts, seen):
 
 
 BISECT_STEPS = 32  # halvings of the int32 key range: the threshold is exact
+# Whether the sampler skips, by a conditional, the work no row of the call needs (the threshold
+# search when no drawing row filters, the draw when no row draws): None = on CPU only. XLA:CPU
+# runs a conditional as a branch on the host thread, so a greedy call served by a sampling program
+# costs what the greedy program does. XLA:GPU copies a conditional's predicate to the host, which
+# a CUDA graph cannot hold, so there the programs stay straight-line and compute both.
+SKIP_UNUSED: bool | None = None
+
+
+def skips_unused() -> bool:
+    """SKIP_UNUSED as it applies to programs traced now (the default backend's)."""
+    return jax.default_backend() == "cpu" if SKIP_UNUSED is None else SKIP_UNUSED
+
+
+def draws(st: SamplingTensors):
+    """[B] bool: the rows that draw (temperature > 0); the others take the argmax."""
+    return st.temperature > GREEDY_EPS
+
+
+def filters(st: SamplingTensors):
+    """[B] bool: the rows that draw from a filtered distribution (top-k, top-p or min-p set)."""
+    return draws(st) & ((st.top_k > 0) | (st.top_p < 1.0) | (st.min_p > 0.0))
+
+
 DRAW_BLOCK = 256  # the draw sums the vocabulary in blocks of this many entries
 
 
@@ -308,7 +332,11 @@ def kept_weights(logits, st: SamplingTensors, filtered: bool = True):
     zmax = jnp.max(z, axis=-1, keepdims=True)
     if not filtered:
         return jnp.exp(z - zmax)
-    t = kept_threshold(z, st)
+    if skips_unused():  # keep-all threshold (below every key) when no row filters
+        keep_all = lambda: jnp.full(z.shape[:1], jnp.iinfo(jnp.int32).min, jnp.int32)
+        t = jax.lax.cond(jnp.any(filters(st)), lambda: kept_threshold(z, st), keep_all)
+    else:
+        t = kept_threshold(z, st)
     return jnp.where(order_keys(z) >= t[:, None], jnp.exp(z - zmax), 0.0)
 
 
@@ -354,5 +382,7 @@ def sample(logits, st: SamplingTensors, counts, seen, keys, sampled: bool | str 
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not sampled:
         return greedy
-    drawn = draw(kept_weights(logits, st, sampled != TEMPERATURE_ONLY), uniforms(keys))
-    return jnp.where(st.temperature <= GREEDY_EPS, greedy, drawn)
+    drawn = lambda: draw(kept_weights(logits, st, sampled != TEMPERATURE_ONLY), uniforms(keys))
+    if skips_unused():
+        return jax.lax.cond(jnp.any(draws(st)), lambda: jnp.where(draws(st), drawn(), greedy), lambda: greedy)
+    return jnp.where(draws(st), drawn(), greedy)

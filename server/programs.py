@@ -21,13 +21,15 @@ The scheduler runs four programs (jaxspec/serving.py), each specialised on a few
 
 `span` is how many KV columns attention reads. A program for a larger n_act, C or span than a call
 needs is still correct (extra slots are stopped, extra columns are masked, a chunk is zero-padded),
-only slower, and a sampled=True dispatch serves greedy slots too. So no request has to wait for
+only slower, and a sampled=True dispatch serves greedy slots too (on CPU at no extra cost: its
+sampler is skipped for a call with no drawing slot, jaxspec/sampling.py SKIP_UNUSED, so there
+no greedy-only programs are compiled at all). So no request has to wait for
 XLA: start-up compiles a *cover* set that serves any request within --context-length and
 --max-running-requests (the short shapes exactly, the rest through the largest programs, all
 sampled=True, and one logprobs=True program at the largest shape), a background thread then
-compiles every other shape (most useful first: the
-greedy-only twins of the start-up dispatches, then, with adaptive speculation, their twins for
-its other candidates; with the persistent compilation cache, a restart loads them from disk), and
+compiles every other shape (most useful first: with adaptive speculation, the twins of the
+start-up dispatches for its other candidates, then the greedy-only twins of the start-up
+dispatches; with the persistent compilation cache, a restart loads them from disk), and
 each call takes the cheapest program compiled so far that covers it (adaptive speculation runs
 another candidate only once a program of that candidate covers the call). A call served through a
 larger program asks for its own (`want`; the scheduler asks for the configured shape's and plain
@@ -53,7 +55,7 @@ from tqdm.auto import tqdm
 
 from jaxspec.cache import KVCache
 from jaxspec.requests import bucket
-from jaxspec.sampling import SamplingParams, SamplingTensors
+from jaxspec.sampling import SamplingParams, SamplingTensors, skips_unused
 from jaxspec.serving import admit_chunk, admit_finish, copy_prefix, dispatch
 
 logger = logging.getLogger("jaxspec.server")
@@ -206,12 +208,14 @@ class Programs:
         then admission of several requests at once (bursts of short prompts). With adaptive
         speculation, the twins of the start-up dispatches for its other candidates come first
         (plain steps first; without them it cannot choose), then the greedy-only twins of the
-        start-up dispatches; the twins of the others come last, and the logprob programs for one
+        start-up dispatches (none on CPU, see the module docstring); the twins of the others come
+        last, and the logprob programs for one
         request at each short span after them. The list may be cut short by MAP_BUDGET, so the most
         useful come first."""
         spans, sizes, main = self.spans(), self.sizes(), self.sched.main_shape
         startup = [k for k in self.startup_keys(self.startup_bs) if k[0] != "dispatch" or not k[5]]
-        greedy = lambda ks: [k[:3] + (False,) + k[4:] for k in ks if k[0] == "dispatch"]
+        # greedy-only twins: not where the sampling programs skip their sampler for greedy calls (CPU)
+        greedy = lambda ks: [] if skips_unused() else [k[:3] + (False,) + k[4:] for k in ks if k[0] == "dispatch"]
         others = [x for x in reversed(self.sched.shapes) if x != main]  # plain steps, then shallower trees
         twins = lambda ks: [k[:4] + (x,) + k[5:] for x in others for k in ks if k[0] == "dispatch"]
         keys = twins(startup) + greedy(startup)

@@ -60,7 +60,7 @@ from jaxspec.requests import (
     output_logprobs,
     stop_token_ids,
 )
-from jaxspec.sampling import SamplingParams, SamplingTensors, any_sampled
+from jaxspec.sampling import SamplingParams, SamplingTensors, any_sampled, skips_unused
 from jaxspec.serving import SlotBatch
 from jaxspec.speculative.adaptive import OFF, Adaptive, shape_label
 from server.detokenize import DetokState, detokenize
@@ -134,6 +134,13 @@ class PrefillGroup:
     @property
     def n_chunks(self) -> int:
         return len(self.keys)
+
+
+def cost_kind(key: tuple, sampled: bool) -> bool:
+    """Whether dispatch program `key` runs its sampler for a call (`sampled`: some slot draws), the
+    kind adaptive speculation keeps its costs under: a greedy call served by a sampling program
+    skips the sampler on CPU (jaxspec/sampling.py SKIP_UNUSED) and costs what a greedy program does."""
+    return key[3] and (sampled or not skips_unused())
 
 
 @dataclasses.dataclass
@@ -778,7 +785,7 @@ class Scheduler:
         if self.adaptive is None:
             return self.spec
         keys = {x: self.programs.dispatch_key(n_act, span, sampled, x, lps, gram) for x in self.shapes}
-        allowed = {x: (k[1], k[2], k[3]) for x, k in keys.items() if k is not None}
+        allowed = {x: (k[1], k[2], cost_kind(k, sampled)) for x, k in keys.items() if k is not None}
         spec_reqs = [r for r in busy.values() if r.speculative]
         none = self.adaptive.empty(1)[0]
         acc = np.array([none if r.acc is None else r.acc for r in spec_reqs]).reshape((-1,) + none.shape)
@@ -868,7 +875,8 @@ class Scheduler:
         quiet &= self._admit_seq < item.seq
         if seq == item.seq - 1:
             dt = t_got - max(item.t_enqueued, t_prev)
-            n, span, kind = item.key[1:4]
+            n, span = item.key[1:3]
+            kind = cost_kind(item.key, any_sampled(r.params for r in item.slots.values()))
             self.adaptive.observe_cost(item.spec, n, dt, rounds if quiet else 0, (label, *item.key), span, kind)
             logger.debug(
                 "dispatch %s: %d requests by a program of batch %d, span %d: %d rounds in %.1f ms%s",

@@ -292,6 +292,18 @@ def add_mtp_modules(path, kind: str, count: int = 1, seed: int = 7) -> None:
 KEY = "sk-test"
 
 
+def straight_line_sampler(monkeypatch) -> None:
+    """Programs traced from here on build the sampler as for a GPU: every branch computed, no
+    conditional (jaxspec.sampling.SKIP_UNUSED). Traces made before are dropped, so that no program
+    of the CPU form is taken from jax's caches."""
+    import jax
+
+    from jaxspec import sampling
+
+    monkeypatch.setattr(sampling, "SKIP_UNUSED", False)
+    jax.clear_caches()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

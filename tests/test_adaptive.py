@@ -159,6 +159,39 @@ def test_costs_are_those_of_the_program_each_candidate_would_run():
     assert a.choose(8, low, one, allowed={"2/1/3": (8, 256, False), OFF: (8, 256, False)}) is None
 
 
+def test_server_costs_a_greedy_call_of_a_sampling_program_as_greedy(monkeypatch):
+    """On CPU a sampling program skips its sampler for a call with no drawing slot, so the
+    server keeps that dispatch's cost with the greedy ones; where programs are straight-line (GPU)
+    it is a sampling cost whoever calls."""
+    from jaxspec import sampling
+    from server.scheduler import cost_kind
+
+    sampling_prog, greedy_prog = (
+        ("dispatch", 4, 256, True, OFF, False, False),
+        ("dispatch", 4, 256, False, OFF, False, False),
+    )
+    monkeypatch.setattr(sampling, "SKIP_UNUSED", True)
+    assert cost_kind(sampling_prog, False) is False and cost_kind(sampling_prog, True) is True
+    assert cost_kind(greedy_prog, False) is False
+    monkeypatch.setattr(sampling, "SKIP_UNUSED", False)
+    assert cost_kind(sampling_prog, False) is True and cost_kind(greedy_prog, False) is False
+
+
+def test_no_greedy_only_programs_where_sampling_ones_skip_their_sampler(models, monkeypatch):  # noqa: F811
+    """On CPU the background list holds no greedy-only dispatch programs (a sampling one serves a
+    greedy call as fast), which leaves the memory-map budget to other shapes; straight-line
+    sampling programs (GPU) get their greedy twins."""
+    from jaxspec import sampling
+    from server.scheduler import Scheduler
+
+    sched = Scheduler(engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True), max_running_requests=2)
+    kinds = lambda: {k[3] for k in sched.programs.background_keys() if k[0] == "dispatch"}
+    monkeypatch.setattr(sampling, "SKIP_UNUSED", None)  # the default: skips on CPU
+    assert kinds() == {True}
+    monkeypatch.setattr(sampling, "SKIP_UNUSED", False)
+    assert kinds() == {True, False}
+
+
 @pytest.mark.parametrize(
     "algo,draft,knobs,target",
     [
@@ -345,14 +378,16 @@ def test_server_candidate_programs_compile_in_the_background(models):  # noqa: F
 
 
 @pytest.mark.slow
-def test_server_dispatch_programs_have_no_vocab_sort_and_no_branch(models):  # noqa: F811
-    """Every kind of sampled server dispatch (tree rounds of either shape, plain steps) compiles to
-    straight-line bodies: no sort over the vocabulary, no conditional."""
+def test_server_dispatch_programs_have_no_vocab_sort_and_no_branch(models, monkeypatch):  # noqa: F811
+    """Every kind of sampled server dispatch (tree rounds of either shape, plain steps), traced as
+    for a GPU, compiles to straight-line bodies: no sort over the vocabulary, no conditional."""
     from test_sampling import assert_no_vocab_sort_or_branch
 
     from server.scheduler import Scheduler
 
-    from helpers import V
+    from helpers import V, straight_line_sampler
+
+    straight_line_sampler(monkeypatch)
 
     sched = Scheduler(engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True), max_running_requests=2)
     for shape in sched.shapes:

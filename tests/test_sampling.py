@@ -90,9 +90,18 @@ def test_draw_never_picks_a_zero_weight():
     assert np.asarray(draw(jnp.asarray(w), jnp.full((4,), 0.2, jnp.float32)))[0] == 7
 
 
-def test_sampler_program_has_no_sort_and_no_branch():
-    """The compiled sampler (filters and draw) holds no sort over the vocabulary and no
-    conditional, so a decoding step never waits on a predicate or sorts 50k entries."""
+@pytest.fixture
+def straight_line(monkeypatch):
+    """Programs traced as for a GPU: the sampler computes every branch, with no conditional."""
+    from helpers import straight_line_sampler
+
+    straight_line_sampler(monkeypatch)
+
+
+def test_sampler_program_has_no_sort_and_no_branch(straight_line):
+    """The compiled sampler (filters and draw), as GPU programs build it, holds no sort over the
+    vocabulary and no conditional, so a decoding step never waits on a predicate or sorts 50k
+    entries."""
     v = 4096
     logits = jnp.zeros((2, v), jnp.float32)
     st = _tensors(CASES[:2])
@@ -183,7 +192,53 @@ def test_aliases():
     assert p.max_new_tokens == 5 and p.seed == 3
 
 
-def test_temperature_only_sampler_skips_the_threshold_search():
+MIXES = {
+    "greedy": [dict(temperature=0.0, top_p=0.5), dict(temperature=0.0)],
+    "temperature": [dict(temperature=0.0, top_k=3), dict(temperature=0.8)],
+    "filtered": [dict(temperature=0.0), dict(CASES[4])],
+    "all": CASES,
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_skipping_unused_sampler_work_changes_no_token(mix, monkeypatch):
+    """On CPU the sampler skips, by a conditional, the threshold search when no drawing row filters
+    and the draw when no row draws. Each mix of rows gets the same tokens (same keys) from the
+    skipping program as from the straight-line one GPUs run, in plain sampling and in tree
+    verification, and the skipping programs branch without sorting the vocabulary."""
+    from jaxspec import sampling
+    from jaxspec.speculative.tree import build_tree
+    from jaxspec.speculative.verify import verify
+
+    rows, v = MIXES[mix], 4096
+    b = len(rows)
+    rng = np.random.default_rng(7)
+    logits = jnp.asarray(rng.normal(0, 2, (b, v)).astype(np.float32))
+    st = _tensors(rows, [11 * i + 1 for i in range(b)])
+    zeros = jnp.zeros((b, v), jnp.int32)
+    toks = jnp.asarray(rng.integers(0, v, (b, 3)), jnp.int32).at[:, 1].set(jnp.argmax(logits, -1))
+    tree = build_tree(toks, jnp.broadcast_to(jnp.asarray([0, 0, 1], jnp.int32), (b, 3)), 2)
+    tree_logits = jnp.stack([logits, jnp.roll(logits, 1, -1), jnp.roll(logits, 2, -1)], 1)
+    ones = jnp.ones((b,))
+
+    def run(skip):
+        monkeypatch.setattr(sampling, "SKIP_UNUSED", skip)
+        # st an argument: as in the server's programs, the predicates are not constants
+        draw = jax.jit(lambda st: sample(logits, st, zeros, zeros > 0, st.keys))
+        acc = jax.jit(lambda st: verify(tree, tree_logits, st, st.keys, 2, ones, ones))
+        hlo = draw.lower(st).compile().as_text() + acc.lower(st).compile().as_text()
+        return np.asarray(draw(st)), jax.tree_util.tree_map(np.asarray, acc(st)), hlo
+
+    tok_skip, acc_skip, hlo = run(True)
+    tok_all, acc_all, _ = run(False)
+    np.testing.assert_array_equal(tok_skip, tok_all)
+    for a, c in zip(jax.tree_util.tree_leaves(acc_skip), jax.tree_util.tree_leaves(acc_all), strict=True):
+        np.testing.assert_array_equal(a, c)
+    assert " conditional(" in hlo
+    assert_no_vocab_sort_or_branch(hlo.replace(" conditional(", " branch("), v)
+
+
+def test_temperature_only_sampler_skips_the_threshold_search(straight_line):
     """Requests that filter nothing get the sampler without the threshold search (32 passes over the
     vocabulary): the same weights, so the same draws, from a program a fraction of the size;
     sampling_kind picks it only when no drawing request filters."""

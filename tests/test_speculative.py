@@ -178,11 +178,15 @@ def test_convert_eagle_bin_checkpoint(models, plain, tmp_path):  # noqa: F811
     [("EAGLE3", "eagle3", (3, 8, 12)), pytest.param("STANDALONE", "small", (3, 2, 6), marks=pytest.mark.slow)],
 )
 def test_round_has_no_vocab_sort_and_no_branch(models, monkeypatch, algo, draft, knobs):  # noqa: F811
-    """The compiled speculative program of a sampled batch (every filter on) holds no sort over the
-    vocabulary and no conditional: its while loop runs straight-line rounds."""
+    """The compiled speculative program of a sampled batch (every filter on), traced as for a GPU,
+    holds no sort over the vocabulary and no conditional: its while loop runs straight-line rounds."""
     from test_sampling import assert_no_vocab_sort_or_branch
 
     import jaxspec.engine as engine_module
+
+    from helpers import straight_line_sampler
+
+    straight_line_sampler(monkeypatch)
 
     real, hlo = engine_module.spec_block, []
 

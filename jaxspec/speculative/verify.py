@@ -25,7 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.sampling import GREEDY_EPS, TEMPERATURE_ONLY, SamplingTensors, draw, target_probs, uniforms
+from jaxspec.sampling import TEMPERATURE_ONLY, SamplingTensors, draw, draws, skips_unused, target_probs, uniforms
 from jaxspec.speculative.tree import Tree
 
 
@@ -165,7 +165,13 @@ def verify(
     g = greedy_verify(tree, logits, num_steps)
     if not sampled:
         return g
-    s = sample_verify(tree, logits, st, key, num_steps, thr_single, thr_acc, sampled != TEMPERATURE_ONLY)
-    is_greedy = st.temperature <= GREEDY_EPS
-    pick = lambda a, c: jnp.where(is_greedy.reshape((-1,) + (1,) * (a.ndim - 1)), a, c)
-    return jax.tree_util.tree_map(pick, g, s)
+    is_greedy = ~draws(st)
+
+    def mixed():
+        s = sample_verify(tree, logits, st, key, num_steps, thr_single, thr_acc, sampled != TEMPERATURE_ONLY)
+        pick = lambda a, c: jnp.where(is_greedy.reshape((-1,) + (1,) * (a.ndim - 1)), a, c)
+        return jax.tree_util.tree_map(pick, g, s)
+
+    if skips_unused():  # no row draws: the tree-sampling walk is skipped
+        return jax.lax.cond(jnp.any(draws(st)), mixed, lambda: g)
+    return mixed()
