@@ -62,7 +62,7 @@ from jaxspec.requests import (
 )
 from jaxspec.sampling import SamplingParams, SamplingTensors, any_sampled, skips_unused
 from jaxspec.serving import SlotBatch
-from jaxspec.speculative.adaptive import OFF, Adaptive, shape_label
+from jaxspec.speculative.adaptive import OFF, SERVER_MARGIN, Adaptive, shape_label
 from server.detokenize import DetokState, detokenize
 from server.memory import MemoryPlan, plan_slots
 from server.programs import Programs
@@ -211,7 +211,7 @@ class Scheduler:
         self.prop = eng.proposer if self.spec else None
         # adaptive speculation: per dispatch, the tree shape or plain steps (its own cost table:
         # a dispatch's rounds are not the offline engine's programs)
-        self.adaptive = Adaptive(self.spec) if self.spec and self.spec.adaptive else None
+        self.adaptive = Adaptive(self.spec, margin=SERVER_MARGIN) if self.spec and self.spec.adaptive else None
         # label -> tree shape of each dispatch kind (server/programs.py): the configured one first
         cands = self.adaptive.candidates if self.adaptive else [self.spec]
         self.shapes: dict[str, SpecConfig | None] = {shape_label(c): c for c in cands}

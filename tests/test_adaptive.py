@@ -14,7 +14,16 @@ import pytest
 from jaxspec.config import SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingParams
-from jaxspec.speculative.adaptive import EXPLORE_MIN, MARGIN, OFF, PRIOR_ROUNDS, Adaptive, shallower, shape_label
+from jaxspec.speculative.adaptive import (
+    EXPLORE_MIN,
+    OFF,
+    OFFLINE_MARGIN,
+    PRIOR_ROUNDS,
+    SERVER_MARGIN,
+    Adaptive,
+    shallower,
+    shape_label,
+)
 
 from helpers import (  # noqa: F401 - models is a fixture
     GREEDY,
@@ -98,12 +107,22 @@ def test_choice_follows_cost_and_acceptance():
     # depth 1 often, depth 2 rarely: the shallower shape, 1.6 / 0.0475 > 1.66 / 0.06, 1 / 0.035
     mid = acc([1000, 600], [600, 60])
     assert a.choose(1, mid, one) is half
-    # within the margin: 1.6 / 0.0544 is 3% above 1 / 0.035, not the 5% speculation must gain
+    # the server's margin: 1.6 / 0.0544 is 3% above 1 / 0.035, not the 5% speculation must gain
+    a.margin = SERVER_MARGIN
     a.cost[("1/1/2", 1, 0, False)] = [0.0544, 0.0544]
     a.since_explore = -100  # (no trial of the configured shape in between)
     assert a.choose(1, mid, one) is None
     a.cost[("1/1/2", 1, 0, False)] = [0.0515, 0.0515]  # 9% above: speculation
     assert a.choose(1, mid, one) is half
+    # the offline engine's: speculation stops only where plain steps lead by 5%
+    a.margin = OFFLINE_MARGIN
+    a.cost[("2/1/3", 1, 0, False)] = [0.066, 0.066]  # 1.66 / 0.066: below the shallower shape from here on
+    for cost, pick in [(0.0544, half), (0.058, half), (0.0625, None)]:  # plain steps 3% behind, 3% and 11% ahead
+        a.cost[("1/1/2", 1, 0, False)] = [cost, cost]
+        a.since_explore = -100
+        assert a.choose(1, mid, one) is pick, cost
+    assert Adaptive(SPEC).margin == OFFLINE_MARGIN
+    a.margin = SERVER_MARGIN
     # requests that never speculate add one token per round to every candidate
     assert a.choose(1, low, one, n_plain=3) is None
     # the prior of the request's kind, worth PRIOR_ROUNDS rounds, per depth
@@ -316,6 +335,7 @@ def test_server_measures_costs_and_acceptance(models, plain):  # noqa: F811
     eng = engine(models, "STANDALONE", "target", (4, 1, 5), speculative_adaptive=True)
     sched = Scheduler(eng, max_running_requests=2, overlap=False)
     a, picks, choose = sched.adaptive, [], sched.adaptive.choose
+    assert a.margin == SERVER_MARGIN
 
     def favoured(batch, acc, greedy, n_plain=0, allowed=None):
         """The candidate the measurements so far favour (the costs of sub-millisecond rounds move
@@ -327,7 +347,7 @@ def test_server_measures_costs_and_acceptance(models, plain):  # noqa: F811
             where = allowed.get(shape_label(c), (batch, 0, False)) if isinstance(allowed, dict) else (batch, 0, False)
             rate[shape_label(c)] = (tokens + n_plain) / a.round_cost(c, *where)
         best = max(list(rate)[:-1], key=rate.get)  # the tree shapes' best, if it beats plain steps by the margin
-        return best if rate[best] > rate[OFF] * (1 + MARGIN) else OFF
+        return best if rate[best] > rate[OFF] * (1 + SERVER_MARGIN) else OFF
 
     def spy(*args, **kw):  # (choice, the favoured candidate when every cost was known, else None)
         known = all(a._measured(c) for c in a.candidates)

@@ -21,11 +21,15 @@ P(accepted >= j) = prod_{i <= j} P(depth i accepted | depth i - 1 was), each fac
 the rounds that reached depth i (a product-limit estimate: rounds of a shallower shape say nothing
 about deeper depths), from the request's own rounds plus, as a prior worth PRIOR_ROUNDS rounds,
 those of earlier requests of the same kind (greedy or sampled). Rounds of every tree shape are
-pooled per depth (an approximation when their widths differ). Speculation runs only when the
-best shape is expected to be MARGIN faster than plain steps: what the estimates leave out (a
-dispatch's host work, admissions waiting behind longer dispatches, the trials below) falls on
-speculation's side, and a gain smaller than that was measured to turn into a loss (the server at
-temperature 0 ran the tree where it expected 0-5% more than plain steps, and lost 9%). While
+pooled per depth (an approximation when their widths differ). A margin settles near-ties, and
+which side it favours was measured for each user of the choice:
+  the server (SERVER_MARGIN) speculates only where the best shape is expected to be 5% faster than
+    plain steps: what the estimates leave out (a dispatch's host work, admissions waiting behind
+    longer dispatches, the trials below) falls on speculation's side, and at temperature 0 the
+    server lost 9% running the tree where it expected 0-5% more than plain steps;
+  the offline engine (OFFLINE_MARGIN) stops speculating only where plain steps are expected to be
+    5% faster: a block there holds no other work, the acceptance estimate runs low early in a
+    request, and the server's rule cost it 7-9% against static speculation on MT-bench. While
 another candidate than the configured shape runs, the configured shape is tried again for one
 block after EXPLORE_MIN blocks, an interval that doubles (up to EXPLORE_MAX) each time the trial
 confirms the choice.
@@ -55,7 +59,10 @@ BLOCK_ROUNDS = 8
 PRIOR_ROUNDS = 16.0  # a request's own rounds outweigh the prior once it has run more than this many
 PRIOR_DECAY = 0.98  # per block: the prior follows the last few hundred rounds
 COST_SAMPLES = 8  # a round's cost is the median of the last this many blocks' (once there are 2)
-MARGIN = 0.05  # speculation runs only when it is expected to be this much faster than plain steps
+# how much faster speculation must be expected to be than plain steps to run (negative: how much
+# faster plain steps must be expected to be to stop it); see the module docstring
+SERVER_MARGIN = 0.05
+OFFLINE_MARGIN = -0.05
 EXPLORE_MIN, EXPLORE_MAX = 4, 64
 OFF = "off"
 
@@ -97,6 +104,7 @@ class Adaptive:
     (tried) and rounds that accepted it (passed)."""
 
     spec: SpecConfig
+    margin: float = OFFLINE_MARGIN  # SERVER_MARGIN for the server
     rounds: int = BLOCK_ROUNDS  # rounds (or plain steps) per block
     # (label, B, S, sampled) -> seconds per round of the last blocks
     cost: dict[tuple[str, int, int, bool], list[float]] = dataclasses.field(default_factory=dict)
@@ -163,7 +171,7 @@ class Adaptive:
             return self.round_cost(c, *where.get(shape_label(c), (batch, 0)))
 
         best = max([c for c in cands if c is not None], key=rate)
-        pick = None if None in cands and rate(best) <= rate(None) * (1 + MARGIN) else best
+        pick = None if None in cands and self.plain_wins(rate(best), rate(None)) else best
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "adaptive: batch %d, %s -> %s",
@@ -182,6 +190,13 @@ class Adaptive:
             self.since_explore, self.exploring = 0, True
             return self.spec
         return pick
+
+    def plain_wins(self, best: float, plain: float) -> bool:
+        """Whether plain steps (expected tokens/s `plain`) run rather than the best tree shape
+        (`best`), by the margin."""
+        if self.margin >= 0:
+            return best <= plain * (1 + self.margin)
+        return plain > best * (1 - self.margin)
 
     def observe_cost(
         self,
