@@ -200,7 +200,9 @@ MIXES = {
 }
 
 
-@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize(
+    "mix", [m if m in ("greedy", "all") else pytest.param(m, marks=pytest.mark.slow) for m in MIXES]
+)  # "all" holds greedy, temperature-only and filtered rows at once
 def test_skipping_unused_sampler_work_changes_no_token(mix, monkeypatch):
     """On CPU the sampler skips, by a conditional, the threshold search when no drawing row filters
     and the draw when no row draws. Each mix of rows gets the same tokens (same keys) from the
