@@ -200,12 +200,16 @@ def test_no_greedy_only_programs_where_sampling_ones_skip_their_sampler(models, 
     """On CPU the background list holds no greedy-only dispatch programs (a sampling one serves a
     greedy call as fast), which leaves the memory-map budget to other shapes; straight-line
     sampling programs (GPU) get their greedy twins."""
+    import jax
+
     from jaxspec import sampling
     from server.scheduler import Scheduler
 
     sched = Scheduler(engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True), max_running_requests=2)
     kinds = lambda: {k[3] for k in sched.programs.background_keys() if k[0] == "dispatch"}
-    monkeypatch.setattr(sampling, "SKIP_UNUSED", None)  # the default: skips on CPU
+    monkeypatch.setattr(sampling, "SKIP_UNUSED", None)  # the default: skips on CPU only
+    assert sampling.skips_unused() == (jax.default_backend() == "cpu")
+    monkeypatch.setattr(sampling, "SKIP_UNUSED", True)
     assert kinds() == {True}
     monkeypatch.setattr(sampling, "SKIP_UNUSED", False)
     assert kinds() == {True, False}
