@@ -382,7 +382,9 @@ def sample(logits, st: SamplingTensors, counts, seen, keys, sampled: bool | str 
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not sampled:
         return greedy
-    drawn = lambda: draw(kept_weights(logits, st, sampled != TEMPERATURE_ONLY), uniforms(keys))
-    if skips_unused():
-        return jax.lax.cond(jnp.any(draws(st)), lambda: jnp.where(draws(st), drawn(), greedy), lambda: greedy)
-    return jnp.where(draws(st), drawn(), greedy)
+    mixed = lambda: jnp.where(
+        draws(st), draw(kept_weights(logits, st, sampled != TEMPERATURE_ONLY), uniforms(keys)), greedy
+    )
+    if skips_unused():  # no row draws: the draw is skipped
+        return jax.lax.cond(jnp.any(draws(st)), mixed, lambda: greedy)
+    return mixed()

@@ -512,11 +512,11 @@ class Programs:
         """The cheapest compiled ("dispatch", n', span', s', shape, l') with n' >= n_act, span' >= span,
         s' >= sampled (a sampling program serves greedy slots, at the cost of its sampler) and
         l' >= logprobs, and grammar as asked. shape: a label of sched.shapes (default: the configured one). When no
-        compiled program covers the call: the exact key for the configured shape (compiled now),
-        None for another candidate of adaptive speculation (the configured shape serves the call
-        instead)."""
+        compiled program covers the call: the exact key for the configured shape (compiled now;
+        a sampling one on CPU, where it serves greedy calls as fast), None for another candidate of
+        adaptive speculation (the configured shape serves the call instead)."""
         shape = self.sched.main_shape if shape is None else shape
-        exact = ("dispatch", n_act, span, sampled, shape, logprobs, grammar)
+        exact = ("dispatch", n_act, span, sampled or skips_unused(), shape, logprobs, grammar)
         have = [
             k
             for k in self._have()
