@@ -23,7 +23,7 @@ The scheduler runs four programs (jaxspec/serving.py), each specialised on a few
 needs is still correct (extra slots are stopped, extra columns are masked, a chunk is zero-padded),
 only slower, and a sampled=True dispatch serves greedy slots too (on CPU at no extra cost: its
 sampler is skipped for a call with no drawing slot, jaxspec/sampling.py SKIP_UNUSED, so there
-no greedy-only programs are compiled at all). So no request has to wait for
+no greedy-only programs are compiled ahead). So no request has to wait for
 XLA: start-up compiles a *cover* set that serves any request within --context-length and
 --max-running-requests (the short shapes exactly, the rest through the largest programs, all
 sampled=True, and one logprobs=True program at the largest shape), a background thread then
@@ -513,10 +513,11 @@ class Programs:
         s' >= sampled (a sampling program serves greedy slots, at the cost of its sampler) and
         l' >= logprobs, and grammar as asked. shape: a label of sched.shapes (default: the configured one). When no
         compiled program covers the call: the exact key for the configured shape (compiled now;
-        a sampling one on CPU, where it serves greedy calls as fast), None for another candidate of
-        adaptive speculation (the configured shape serves the call instead)."""
+        a sampling one on CPU, where it serves greedy calls as fast, except with --disable-cuda-graph,
+        where each call compiles its own kind: a greedy-only program compiles faster), None for
+        another candidate of adaptive speculation (the configured shape serves the call instead)."""
         shape = self.sched.main_shape if shape is None else shape
-        exact = ("dispatch", n_act, span, sampled or skips_unused(), shape, logprobs, grammar)
+        exact = ("dispatch", n_act, span, sampled or (skips_unused() and not self.lazy), shape, logprobs, grammar)
         have = [
             k
             for k in self._have()

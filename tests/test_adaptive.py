@@ -197,9 +197,9 @@ def test_server_costs_a_greedy_call_of_a_sampling_program_as_greedy(monkeypatch)
 
 
 def test_no_greedy_only_programs_where_sampling_ones_skip_their_sampler(models, monkeypatch):  # noqa: F811
-    """On CPU no greedy-only dispatch program is compiled, in the background or on first use (a
-    sampling one serves a greedy call as fast), which leaves the memory-map budget to other shapes;
-    straight-line sampling programs (GPU) get their greedy twins."""
+    """On CPU no greedy-only dispatch program is compiled ahead, in the background or for a call no
+    program covers (a sampling one serves a greedy call as fast), which leaves the memory-map
+    budget to other shapes; straight-line sampling programs (GPU) get their greedy twins."""
     import jax
 
     from jaxspec import sampling
@@ -209,7 +209,7 @@ def test_no_greedy_only_programs_where_sampling_ones_skip_their_sampler(models, 
     kinds = lambda: {k[3] for k in sched.programs.background_keys() if k[0] == "dispatch"}
     monkeypatch.setattr(sampling, "SKIP_UNUSED", None)  # the default: skips on CPU only
     assert sampling.skips_unused() == (jax.default_backend() == "cpu")
-    sched.programs.lazy = True  # compiled on first use: the key a greedy call would compile
+    sched.programs.lazy = False  # none compiled yet: the key a greedy call would compile now
     monkeypatch.setattr(sampling, "SKIP_UNUSED", True)
     assert kinds() == {True}
     assert sched.programs.dispatch_key(1, 64, False)[3] is True
