@@ -16,8 +16,9 @@ with in-major ones ("(in-major)" rows), side by side in the same run.
 
 For every temperature it runs plain decoding and each draft over the same questions (chat template,
 warm-up pass first so that compilation is not timed; the engines take turns question by question) and prints accept length (tokens per
-verification round, bonus included), tokens/s and speedup over plain; it writes an accept-length
-histogram (SVG) per draft next to --out.
+verification round, bonus included), tokens/s, speedup over plain, and what a round costs in plain
+decoding steps (accept length / speedup: the break-even accept length of that draft and shape); it
+writes an accept-length histogram (SVG) per draft next to --out.
 """
 
 from __future__ import annotations
@@ -143,8 +144,10 @@ def main():
         f"SmolLM2-135M-Instruct float32, {len(ids)} MT-bench first turns, max {args.max_new_tokens} new tokens, "
         f"batch {args.batch_size}, attention backend {plain.backend}"
     )
-    print("| temperature | algorithm | accept length | tok/s | speedup | rounds per shape (adaptive) |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| temperature | algorithm | accept length | tok/s | speedup | round / plain step | rounds per shape (adaptive) |"
+    )
+    print("|---|---|---|---|---|---|---|")
     rows = []
     for temp in args.temperatures:
         sp = (
@@ -166,11 +169,15 @@ def main():
                     accept_length=acc,
                     tokens_per_s=tps,
                     speedup=tps / base,
+                    round_cost=acc * base / tps,
                     histogram=hist,
                     shapes=shapes,
                 )
             )
-            print(f"| {temp:g} | {algo} | {acc:.2f} | {tps:.1f} | {tps / base:.2f} | {share} |", flush=True)
+            print(
+                f"| {temp:g} | {algo} | {acc:.2f} | {tps:.1f} | {tps / base:.2f} | {acc * base / tps:.2f} | {share} |",
+                flush=True,
+            )
             if hist:
                 histogram_svg(
                     hist,

@@ -64,6 +64,61 @@ def _limits():
     )
 
 
+# JSON Schema keywords whose values are schemas: maps of name -> schema, lists of schemas, one schema.
+# `not`, `if`, `then` and `else` are left as written: closing an object under `not` would invert it.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "contains", "propertyNames")
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "$ref")
+
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with every object that lists `properties` and says nothing of other keys closed
+    (`additionalProperties: false`), as SGLang's and vLLM's default grammar backend (xgrammar's
+    strict mode) compiles JSON schemas: a pydantic model's schema then yields exactly its fields,
+    not fields the model invents. A schema keeps other properties where it says so
+    (`additionalProperties` or `patternProperties`), and objects without `properties` (free-form
+    maps such as `{"type": "object"}`) stay open. Objects merged by an `allOf` of several schemas,
+    and those that merge with `anyOf` / `oneOf` / `$ref` siblings, are left as written: closing one
+    side of a merge would forbid the other side's properties."""
+    merged: set[str] = set()  # $defs that an allOf merges with other schemas
+
+    def find_merged(node: Any) -> None:
+        if isinstance(node, dict):
+            parts = node.get("allOf")
+            if isinstance(parts, list) and len(parts) > 1:
+                merged.update(p["$ref"] for p in parts if isinstance(p, dict) and isinstance(p.get("$ref"), str))
+            for v in node.values():
+                find_merged(v)
+        elif isinstance(node, list):
+            for v in node:
+                find_merged(v)
+
+    def close(node: Any, path: str, in_merge: bool) -> Any:
+        if not isinstance(node, dict):
+            return node
+        out = dict(node)
+        for k in _SCHEMA_MAPS:
+            if isinstance(out.get(k), dict):
+                out[k] = {n: close(v, f"{path}/{k}/{n}", False) for n, v in out[k].items()}
+        for k in _SCHEMA_LISTS:
+            if isinstance(out.get(k), list):
+                many = k == "allOf" and len(out[k]) > 1
+                out[k] = [close(v, f"{path}/{k}/{i}", many) for i, v in enumerate(out[k])]
+        for k in _SCHEMA_ONE:
+            if isinstance(out.get(k), dict):
+                out[k] = close(out[k], f"{path}/{k}", False)
+            elif isinstance(out.get(k), list):  # draft-4 tuple `items`
+                out[k] = [close(v, f"{path}/{k}/{i}", False) for i, v in enumerate(out[k])]
+        if "properties" in out and not in_merge and path not in merged and not any(k in out for k in _OPEN_KEYS):
+            out["additionalProperties"] = False
+        return out
+
+    find_merged(schema)
+    merged = {r[1:] if r.startswith("#") else r for r in merged}  # "#/$defs/X" -> "/$defs/X"
+    return close(schema, "", False)
+
+
 def grammar_of(kind: str, spec: Any) -> str:
     """The llguidance grammar for one of KINDS. json_schema: a JSON string or a dict."""
     import llguidance
@@ -76,7 +131,9 @@ def grammar_of(kind: str, spec: Any) -> str:
                 raise JaxspecError(f"invalid json_schema: not JSON ({e})") from None
         if not isinstance(spec, (dict, bool)):
             raise JaxspecError(f"invalid json_schema: a schema is a JSON object, got {type(spec).__name__}")
-        return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults={"whitespace_flexible": False})
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            closed_objects(spec), defaults={"whitespace_flexible": False}
+        )
     if not isinstance(spec, str):
         raise JaxspecError(f"invalid {kind}: expected a string, got {type(spec).__name__}")
     if kind == "regex":

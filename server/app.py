@@ -365,7 +365,8 @@ def create_app(
                         content, calls = tools.parse(plan, res["text"] or "")
                         if calls:
                             choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-                            choice["finish_reason"] = "tool_calls"
+                            if choice["finish_reason"] == "stop":  # a call cut at max_tokens stays "length"
+                                choice["finish_reason"] = "tool_calls"
                 else:
                     choice["text"] = prefix[p] + (res["text"] or "")
                     lps = logprobs_of(i, res["output_ids"], rows, len(prefix[p]))
@@ -430,7 +431,8 @@ def create_app(
                     if plan is not None:
                         content, calls = tools.parse(plan, res["text"] or "")
                         if calls:
-                            fin["finish_reason"] = "tool_calls"
+                            if fin["finish_reason"] == "stop":
+                                fin["finish_reason"] = "tool_calls"
                             delta = [{**c, "index": j} for j, c in enumerate(calls)]
                             c = chunk(i, None, None)
                             c["choices"][0]["delta"] = {

@@ -5,8 +5,8 @@ it emits under a schema, regex or grammar shows that the masks hold. Checked: ou
 (jsonschema, re.fullmatch), greedy outputs with speculation equal constrained plain decoding, the
 sampled constrained distribution equals the exact one (computed from the HF model and the
 grammar's own masks, with a power check), invalid grammars are 400s with the library's message,
-response_format / tools / tool_choice over HTTP (streamed too), and the openai SDK's
-`chat.completions.parse` with a pydantic model.
+response_format / tools / tool_choice over HTTP (streamed too), and real clients with pydantic
+models: the openai SDK's `chat.completions.parse` and instructor.
 """
 
 from __future__ import annotations
@@ -331,6 +331,36 @@ def test_tool_calls(server):
         assert status == 200, out
 
 
+def test_objects_with_properties_are_closed_by_default(model_dirs):  # noqa: F811
+    """As SGLang's default backend (xgrammar, strict mode) compiles schemas: an object listing its
+    properties admits no others unless the schema says so; free-form objects and allOf merges stay
+    as written. Checked on the grammar itself: what its matcher accepts."""
+    from transformers import AutoTokenizer
+
+    from jaxspec.grammar import Grammars, closed_objects
+    from jaxspec.sampling import SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(model_dirs["target"])
+    grammars = Grammars(tok, len(tok), [tok.eos_token_id])
+
+    def accepts(schema, text):
+        m = grammars.matcher(grammars.check(SamplingParams(json_schema=schema)))
+        ids = tok.encode(text, add_special_tokens=False)
+        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+    point = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x"]}
+    assert accepts(point, '{"x":1,"y":2}') and not accepts(point, '{"x":1,"z":2}')
+    assert accepts({**point, "additionalProperties": True}, '{"x":1,"z":2}')
+    assert accepts({"type": "object"}, '{"z":2}')  # a free-form map stays open
+    assert not accepts({"type": "object", "properties": {"p": point}, "required": ["p"]}, '{"p":{"x":1,"z":2}}')
+    # a property named "properties" is a property, not the keyword
+    odd = closed_objects({"type": "object", "properties": {"properties": {"type": "integer"}}})
+    assert odd["properties"] == {"properties": {"type": "integer"}} and odd["additionalProperties"] is False
+    # an allOf that merges two objects keeps both sides open (closing one would forbid the other's fields)
+    merged = {"$defs": {"A": {"properties": {"a": {}}}}, "allOf": [{"$ref": "#/$defs/A"}, {"properties": {"b": {}}}]}
+    assert closed_objects(merged) == merged
+
+
 def test_tool_output_parsing():
     from server import tools
 
@@ -378,3 +408,33 @@ def test_openai_sdk_parse(server):
     )
     call = done.choices[0].message.tool_calls[0]
     assert call.function.name == "report" and isinstance(call.function.parsed_arguments, Answer)
+
+
+def test_instructor(server):
+    """instructor, as agent code uses it against `jaxspec serve`: a pydantic model through a forced
+    tool call (its default mode, with its validation retries) and through response_format."""
+    instructor = pytest.importorskip("instructor")
+    openai = pytest.importorskip("openai")
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=10)
+        population: int = Field(ge=0, le=99_999_999)
+        capital: bool
+
+    raw = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY)
+    for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
+        client = instructor.from_openai(raw, mode=mode)
+        city, done = client.chat.completions.create_with_completion(
+            model="default",
+            response_model=City,
+            messages=[{"role": "user", "content": "Describe Oslo."}],
+            temperature=0,
+            max_tokens=64,
+            max_retries=1,
+        )
+        assert isinstance(city, City) and 0 <= city.population <= 99_999_999, mode
+        assert done.usage.completion_tokens <= 64, mode
+        if mode == instructor.Mode.TOOLS:
+            assert done.choices[0].finish_reason == "tool_calls"
+            assert done.choices[0].message.tool_calls[0].function.name == "City"
