@@ -3,6 +3,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# make test runs its files on two pytest-xdist workers: most of the suite is XLA compiling, which
+# one process does on one core at a time (17.4 min serial against 13.3 with two, AMD EPYC, 2 cores)
+TEST_WORKERS ?= 2
 
 .PHONY: install test test-all lint format serve chat bench clean
 
@@ -20,7 +23,7 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 test: install  ## the CPU test suite CI runs (under 15 minutes on 2 cores): everything but the tests marked slow
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-all: install  ## every test, the slow end-to-end checks included (about an hour on 2 cores)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

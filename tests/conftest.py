@@ -17,9 +17,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # A persistent compilation cache private to this run (hermetic: it starts empty and is removed at
 # exit). Many tests start engines and servers over the same tiny models, and programs dropped to
 # free memory mappings (below) come back from it instead of compiling again; subprocesses share it.
+# `make test` runs two pytest-xdist workers; each has its own cache (and so do the subprocesses it
+# starts): XLA writes cache files in place without a lock, so two processes compiling at once must
+# not share a directory. A cache the caller chose (JAXSPEC_COMPILATION_CACHE) is kept.
 _CACHE = tempfile.mkdtemp(prefix="jaxspec-test-xla-")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-os.environ.setdefault("JAXSPEC_COMPILATION_CACHE", _CACHE)
+if os.environ.get("JAXSPEC_COMPILATION_CACHE") in (None, os.environ.get("JAXSPEC_TEST_CACHE")):
+    os.environ["JAXSPEC_COMPILATION_CACHE"] = os.environ["JAXSPEC_TEST_CACHE"] = _CACHE
 
 
 def _memory_mappings() -> int:
