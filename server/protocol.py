@@ -6,8 +6,8 @@ stop lists), so nothing reaches the scheduler unvalidated. Fields the OpenAI API
 server cannot honour yet (logit_bias, suffix, audio, ...) are rejected with a 400 that names
 them, never ignored. Structured output: `response_format` (text, json_object, json_schema) and
 SGLang's `json_schema` / `regex` / `ebnf` become the sampling parameters of the same names
-(jaxspec/grammar.py); `tools` / `tool_choice` are in server/tools.py. Fields that do not change the
-output (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`) are accepted. Fields
+(jaxspec/grammar.py); `tools` / `tool_choice` / `parallel_tool_calls` are in server/tools.py. Fields
+that do not change the output (`user`, `metadata`, `store`, `service_tier`) are accepted. Fields
 no API defines are ignored, as OpenAI-compatible servers do, and logged.
 """
 

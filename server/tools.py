@@ -10,8 +10,10 @@ tool_choice decides what the output may be:
   none       tools are not offered; plain text
   auto       free text; `<tool_call>` blocks (or a bare {"name", "arguments"} object) in it become
              tool_calls, the text before them the content
-  required   one call to any of the tools: the output is constrained to the JSON of a call
-             ({"name": one of the tools, "arguments": that tool's parameters schema})
+  required   calls to any of the tools: the output is constrained to a JSON array of one or more
+             calls, each {"name": one of the tools, "arguments": that tool's parameters schema}
+             (as vLLM and SGLang constrain it), or to exactly one call object when the request
+             sets parallel_tool_calls to false
   {"type": "function", "function": {"name": f}}
              a call to f: the output is constrained to f's parameters schema (its arguments)
 Constrained choices use the grammar machinery (jaxspec/grammar.py), speculation included.
@@ -35,6 +37,7 @@ class ToolPlan:
     tools: list[dict[str, Any]]  # OpenAI tool objects ({"type": "function", "function": {...}})
     mode: str  # "auto" | "required" | "named"
     name: str | None = None  # the named function
+    parallel: bool = True  # required: one or more calls (False: exactly one)
 
     def schema_of(self, name: str) -> dict[str, Any]:
         for t in self.tools:
@@ -52,12 +55,13 @@ def plan(body) -> ToolPlan | None:
     if len(set(names)) != len(names):
         raise JaxspecError("tools: function names must be unique")
     choice = body.tool_choice or "auto"
+    parallel = body.parallel_tool_calls is not False
     if isinstance(choice, str):
-        return ToolPlan(tools, choice)
+        return ToolPlan(tools, choice, parallel=parallel)
     name = choice.function.name
     if name not in names:
         raise JaxspecError(f"tool_choice: no tool named {name!r} (tools: {', '.join(names)})")
-    return ToolPlan(tools, "named", name)
+    return ToolPlan(tools, "named", name, parallel)
 
 
 def constraint(p: ToolPlan | None) -> dict[str, Any]:
@@ -76,7 +80,8 @@ def constraint(p: ToolPlan | None) -> dict[str, Any]:
         }
         for t in p.tools
     ]
-    return {"json_schema": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return {"json_schema": {"type": "array", "items": one, "minItems": 1} if p.parallel else one}
 
 
 def _call_text(call: dict[str, Any]) -> str:
@@ -160,8 +165,11 @@ def parse(p: ToolPlan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         assert p.name is not None
         return None, [_call(p.name, text)]
     if p.mode == "required":
-        call = _as_call(_loads(text), names)
-        return (None, [call]) if call else (text, [])
+        obj = _loads(text)
+        objs = obj if isinstance(obj, list) else [obj]
+        found = [_as_call(o, names) for o in objs]
+        calls = [c for c in found if c is not None]
+        return (None, calls) if objs and len(calls) == len(objs) else (text, [])
     calls = []
     for m in TOOL_CALL.finditer(text):
         call = _as_call(_loads(m.group(1)), names)

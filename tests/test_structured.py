@@ -307,6 +307,14 @@ def test_tool_calls(server):
     assert call["type"] == "function" and call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
     jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
     status, out, _ = _chat(server, messages=msgs, tools=[WEATHER, TIME], tool_choice="required")
+    calls = out["choices"][0]["message"]["tool_calls"]  # one or more (parallel_tool_calls defaults to true)
+    assert calls and all(c["function"]["name"] in ("get_weather", "get_time") for c in calls), out
+    for c in calls:
+        schema = WEATHER if c["function"]["name"] == "get_weather" else TIME
+        jsonschema.validate(json.loads(c["function"]["arguments"]), schema["function"]["parameters"])
+    status, out, _ = _chat(
+        server, messages=msgs, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False
+    )
     (call,) = out["choices"][0]["message"]["tool_calls"]
     assert call["function"]["name"] in ("get_weather", "get_time")
     # streamed: one delta carries the whole call
@@ -376,6 +384,11 @@ def test_tool_output_parsing():
         [],
     )
     assert tools.parse(p, "no call") == ("no call", [])
+    required = tools.ToolPlan([WEATHER, TIME], "required")
+    two = '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}]'
+    assert [c["function"]["name"] for c in tools.parse(required, two)[1]] == ["get_time", "get_weather"]
+    assert tools.parse(required, '[{"name": "get_time", "arguments": {}}, {"name": "nope"}]')[1] == []
+    assert tools.parse(required, "[]") == ("[]", [])
 
 
 def test_openai_sdk_parse(server):
