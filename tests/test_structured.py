@@ -6,7 +6,7 @@ it emits under a schema, regex or grammar shows that the masks hold. Checked: ou
 sampled constrained distribution equals the exact one (computed from the HF model and the
 grammar's own masks, with a power check), invalid grammars are 400s with the library's message,
 response_format / tools / tool_choice over HTTP (streamed too), and real clients with pydantic
-models: the openai SDK's `chat.completions.parse` and instructor.
+models: the openai SDK's `chat.completions.parse` and `stream` helpers, and instructor.
 """
 
 from __future__ import annotations
@@ -421,6 +421,21 @@ def test_openai_sdk_parse(server):
     )
     call = done.choices[0].message.tool_calls[0]
     assert call.function.name == "report" and isinstance(call.function.parsed_arguments, Answer)
+    # the SDK's streaming helper, which assembles tool calls from the deltas
+    with client.chat.completions.stream(
+        model="default",
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=[openai.pydantic_function_tool(Answer, name="report")],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=64,
+    ) as stream:
+        for _ in stream:
+            pass
+        done = stream.get_final_completion()
+    calls = done.choices[0].message.tool_calls
+    assert done.choices[0].finish_reason == "tool_calls" and calls
+    assert all(c.function.name == "report" and isinstance(c.function.parsed_arguments, Answer) for c in calls)
 
 
 def test_instructor(server):
