@@ -81,18 +81,21 @@ def closed_objects(schema: Any) -> Any:
     maps such as `{"type": "object"}`) stay open. Objects merged by an `allOf` of several schemas,
     and those that merge with `anyOf` / `oneOf` / `$ref` siblings, are left as written: closing one
     side of a merge would forbid the other side's properties."""
-    merged: set[str] = set()  # $defs that an allOf merges with other schemas
+    merged: set[str] = set()  # pointers ("/$defs/X") of the schemas an allOf merges with others
 
     def find_merged(node: Any) -> None:
         if isinstance(node, dict):
             parts = node.get("allOf")
             if isinstance(parts, list) and len(parts) > 1:
-                merged.update(p["$ref"] for p in parts if isinstance(p, dict) and isinstance(p.get("$ref"), str))
+                refs = [p["$ref"] for p in parts if isinstance(p, dict) and isinstance(p.get("$ref"), str)]
+                merged.update(r.removeprefix("#") for r in refs)
             for v in node.values():
                 find_merged(v)
         elif isinstance(node, list):
             for v in node:
                 find_merged(v)
+
+    find_merged(schema)
 
     def close(node: Any, path: str, in_merge: bool) -> Any:
         if not isinstance(node, dict):
@@ -114,8 +117,6 @@ def closed_objects(schema: Any) -> Any:
             out["additionalProperties"] = False
         return out
 
-    find_merged(schema)
-    merged = {r[1:] if r.startswith("#") else r for r in merged}  # "#/$defs/X" -> "/$defs/X"
     return close(schema, "", False)
 
 
