@@ -9,7 +9,8 @@ off (its tree shape every round); otherwise adaptive speculation has its default
 shipped drafts), and the share of rounds it ran without speculation is printed. A tree shape
 (num_steps/eagle_topk/num_draft_tokens) may follow an "@": EAGLE3:static@3/1/4. ALGO:target-only
 (or ALGO:static,target-only) keeps SGLang's target-only acceptance for sampled requests instead of
-drawing a path of drafts from the draft distribution.
+drawing a path of drafts from the draft distribution. ALGO:decode runs verification and the draft's
+extend with --speculative-attention-mode decode (modes combine: EAGLE3:static,decode@2/1/3).
 
 --compare-layouts (CPU): every engine runs twice, with the out-major kernels CPU engines use and
 with in-major ones ("(in-major)" rows), side by side in the same run.
@@ -84,7 +85,8 @@ def main():
         action="append",
         default=[],
         help="ALGO=PATH or ALGO (repeatable), e.g. EAGLE3=path/to/head, EAGLE3 (the shipped draft), NGRAM; "
-        "ALGO:static turns adaptive speculation off, ALGO:target-only sampled drafts (comma-separated: both)",
+        "ALGO:static turns adaptive speculation off, ALGO:target-only sampled drafts, ALGO:decode the decode "
+        "attention mode (comma-separated: several)",
     )
     ap.add_argument("--questions", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -119,8 +121,8 @@ def main():
         algo_mode, _, shape = name.partition("@")
         algo, _, mode = algo_mode.partition(":")
         modes = set(mode.split(",")) - {""}
-        if modes - {"static", "target-only"}:
-            ap.error(f"unknown draft mode in {name!r}: use static and/or target-only")
+        if modes - {"static", "target-only", "decode"}:
+            ap.error(f"unknown draft mode in {name!r}: use static, target-only and/or decode")
         steps, topk, n = (int(x) for x in shape.split("/")) if shape else (None, None, None)
         kw = dict(
             speculative_adaptive=False if "static" in modes else None,
@@ -130,6 +132,8 @@ def main():
             speculative_eagle_topk=topk,
             speculative_num_draft_tokens=n,
         )
+        if "decode" in modes:
+            kw["speculative_attention_mode"] = "decode"
         if "target-only" in modes:
             kw["_draft_sampling"] = False
         configs.append((name, kw))

@@ -177,8 +177,9 @@ class SpeculativeArgs:
     )
     speculative_attention_mode: str = flag(
         "prefill",
-        "SGLang: which attention path verification and draft extension use; jaxspec has one tree-attention path "
-        "for prefill chunks and verification, so both values run it (accepted for compatibility)",
+        "the attention path of target verification and the draft's extend: prefill = one pass over the prefix "
+        "and the draft tokens (the prefill-chunk path); decode = the prefix through the decode path with the "
+        "draft tokens folded into the query heads, the draft tokens' own columns apart, merged",
         choices=("prefill", "decode"),
     )
     speculative_moe_runner_backend: str | None = flag(
@@ -397,8 +398,6 @@ class ServerArgs:
 
 COMPAT_NOTES: dict[str, str] = {
     "trust_remote_code": "--trust-remote-code: jaxspec runs no code from checkpoints; its architectures are built in",
-    "speculative_attention_mode": "--speculative-attention-mode decode: verification and draft extension run "
-    "jaxspec's one tree-attention path (the same as prefill chunks) in either mode",
     "speculative_moe_runner_backend": "--speculative-moe-runner-backend: jaxspec's models have no MoE layers; ignored",
     "speculative_moe_a2a_backend": "--speculative-moe-a2a-backend: jaxspec's models have no MoE layers; ignored",
     "enable_torch_compile": "--enable-torch-compile: every jaxspec program is compiled by XLA ahead of use anyway",

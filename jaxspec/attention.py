@@ -16,6 +16,16 @@ Backends:
             for everything else (verification trees, draft beams, prefill chunks). Off the GPU they
             run in Pallas interpret mode (slow; for tests). Shapes the kernels do not handle (head_dim
             not a power of two, cache length not a multiple of 16) fall back to "xla" with a warning.
+Modes (SGLang's --speculative-attention-mode, for target verification and the draft's extend):
+  "prefill"  (default) the one path above: the new rows go through the tree kernel (or the reference)
+             with the prefix and the local region in the same pass, as prefill chunks do.
+  "decode"   split attention: the committed prefix is read by the decode path with all T new rows
+             folded into the GQA group (every row sees the same prefix, so it needs no mask at all:
+             `decode_attention` with T * G query rows per KV head), the local region by a small dense
+             masked attention over its W columns, and the two are merged by their log-sum-exps. Same
+             result up to float rounding. A mode is chosen by suffixing the backend: "pallas:decode"
+             (`with_mode`); rows the split does not serve (one causal row: plain decode already is
+             the decode path; a sliding window; a traced offset) run the one path.
 `default_backend()` picks "pallas" on a GPU whose kernels pass a start-up self-check (compiled and
 compared with the reference on small shapes), and "xla" elsewhere or if the check fails (logged).
 
@@ -38,6 +48,7 @@ from pallas_kernels import decode_attention as _decode
 from pallas_kernels import tree_attention as _tree
 
 BACKENDS = ("xla", "pallas")
+MODES = ("prefill", "decode")
 attention_reference = _tree.tree_attention_reference
 logger = logging.getLogger(__name__)
 
@@ -90,12 +101,28 @@ def resolve_backend(backend: str | None) -> str:
     return backend
 
 
+def with_mode(backend: str, mode: str) -> str:
+    """The backend string of attention mode `mode` (MODES) on `backend`: "pallas" + "decode" ->
+    "pallas:decode"; the prefill mode is the backend itself."""
+    if mode not in MODES:
+        raise ValueError(f"unknown attention mode {mode!r}; available: {', '.join(MODES)}")
+    return backend.partition(":")[0] + ("" if mode == "prefill" else f":{mode}")
+
+
 def attention(
     q, k, v, prefix_len, local_mask=None, sliding_window=None, offset=0, backend: str = "xla", kv_sharding=None
 ):
     """q: [B, T, H, D]; k, v: [B, S, Hkv, D]; prefix_len: [B] int32; local_mask: [B, T, W] bool or None;
-    kv_sharding: the NamedSharding of k and v when they are split over devices (None: one device).
-    Returns [B, T, H, D] in q.dtype."""
+    backend: a BACKENDS name, optionally with a mode (`with_mode`); kv_sharding: the NamedSharding of
+    k and v when they are split over devices (None: one device). Returns [B, T, H, D] in q.dtype."""
+    backend, _, mode = backend.partition(":")
+    if mode == "decode" and not (q.shape[1] == 1 and local_mask is None):
+        reason = _split_unsupported(sliding_window, offset, local_mask)
+        if reason is None:
+            return split_attention(q, k, v, prefix_len, local_mask, offset, backend, kv_sharding)
+        _warn_split(reason)
+    elif mode not in ("", "prefill", "decode"):
+        raise ValueError(f"unknown attention mode {mode!r}; available: {', '.join(MODES)}")
     if backend == "pallas":
         reason = _tree.supported(q, k)
         if reason is None:
@@ -132,3 +159,88 @@ def _pallas_sharded(kv_sharding, q, k, v, prefix_len, offset, local_mask, slidin
 @functools.cache
 def _warn_fallback(reason: str):
     logger.warning("attention backend pallas: %s; using xla for these shapes", reason)
+
+
+# ---- decode mode: the prefix through the decode path, the local region apart, merged ------------
+
+
+def _split_unsupported(sliding_window, offset, local_mask) -> str | None:
+    if sliding_window is not None:
+        return "a sliding window limits each row's prefix differently"
+    if local_mask is None and not isinstance(offset, int):
+        return "a causal region at a traced offset has no static width"
+    return None
+
+
+@functools.cache
+def _warn_split(reason: str):
+    logger.info("attention mode decode: %s; these calls run the prefill-mode path", reason)
+
+
+def split_attention(q, k, v, prefix_len, local_mask, offset, backend, kv_sharding=None):
+    """Decode-mode attention. q: [B, T, H, D]; k, v: [B, S, Hkv, D]; prefix_len: [B] int32;
+    local_mask: [B, T, W] bool, or None for causal rows at a static offset (W = offset + T).
+
+    Prefix: columns [0, prefix_len) seen by every row, through the decode kernel (or its reference)
+    with the T rows folded into the GQA group. Local: columns prefix_len + [0, W) through the mask,
+    gathered and attended densely. Each part returns its rows' log-sum-exp; the weighted sum is the
+    softmax over both. Returns [B, T, H, D] in q.dtype."""
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+    if local_mask is None:  # causal: row t sees region columns [0, offset + t]
+        w = offset + t
+        local_mask = jnp.broadcast_to(jnp.arange(w)[None, :] <= offset + jnp.arange(t)[:, None], (b, t, w))
+    # [B, T, Hkv, G, D] -> [B, Hkv * T * G, D]: one decode query "head" per (row, head) pair
+    qf = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv * t * g, d)
+    if backend == "pallas" and _tree.supported(q, k) is None:
+        if kv_sharding is None:
+            o_p, lse_p = _decode.decode_attention(
+                qf, k, v, prefix_len, interpret=jax.default_backend() != "gpu", return_lse=True
+            )
+        else:
+            o_p, lse_p = _decode_sharded(kv_sharding, qf, k, v, prefix_len)
+    else:
+        o_p, lse_p = _decode.decode_attention_reference(qf, k, v, prefix_len, return_lse=True)
+    unfold = lambda x: x.reshape(b, hkv, t, g, *x.shape[2:]).transpose(0, 2, 1, 3, *range(4, x.ndim + 2))
+    o_p = unfold(o_p).reshape(b, t, h, d)  # float32
+    lse_p = unfold(lse_p).reshape(b, t, h)
+    o_l, lse_l = _local_attention(q, k, v, prefix_len, local_mask)
+    m = jnp.maximum(lse_p, lse_l)  # lse_l is finite: a row always sees itself
+    w_p, w_l = jnp.exp(lse_p - m)[..., None], jnp.exp(lse_l - m)[..., None]
+    return ((o_p * w_p + o_l * w_l) / (w_p + w_l)).astype(q.dtype)
+
+
+def _local_attention(q, k, v, prefix_len, local_mask):
+    """The local region alone. q: [B, T, H, D]; local_mask: [B, T, W] over cache columns
+    prefix_len + [0, W). Returns (out [B, T, H, D] float32, lse [B, T, H] float32)."""
+    b, t, h, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    w = local_mask.shape[2]
+    cols = jnp.clip(prefix_len[:, None] + jnp.arange(w)[None, :], 0, s - 1)[:, :, None, None]  # [B, W, 1, 1]
+    kl, vl = jnp.take_along_axis(k, cols, axis=1), jnp.take_along_axis(v, cols, axis=1)  # [B, W, Hkv, D]
+    qg = q.reshape(b, t, hkv, h // hkv, d)
+    scores = jnp.einsum("btkgd,bwkd->btkgw", qg, kl, preferred_element_type=jnp.float32) * d**-0.5
+    vis = local_mask[:, :, None, None, :]
+    m = jnp.max(jnp.where(vis, scores, -jnp.inf), axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(vis, jnp.exp(scores - m), 0.0)
+    den = p.sum(axis=-1)  # [B, T, Hkv, G]
+    out = jnp.einsum("btkgw,bwkd->btkgd", p.astype(v.dtype), vl, preferred_element_type=jnp.float32)
+    out = out / jnp.where(den > 0, den, 1.0)[..., None]
+    lse = jnp.where(den > 0, m[..., 0] + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
+    return out.reshape(b, t, h, d), lse.reshape(b, t, h)
+
+
+def _decode_sharded(kv_sharding, qf, k, v, prefix_len):
+    """The decode kernel per device on its KV heads: qf [B, Hkv * T * G, D] is head-major, so splitting
+    its axis 1 as k's axis 2 keeps each device's query rows with their KV heads."""
+    axis = kv_sharding.spec[2]
+    body = functools.partial(_decode.decode_attention, interpret=jax.default_backend() != "gpu", return_lse=True)
+    return jax.shard_map(
+        body,
+        mesh=kv_sharding.mesh,
+        in_specs=(P(None, axis), P(None, None, axis), P(None, None, axis), P()),
+        out_specs=(P(None, axis), P(None, axis)),
+        check_vma=False,
+    )(qf, k, v, prefix_len)

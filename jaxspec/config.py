@@ -220,6 +220,9 @@ class SpecConfig:
     draft_sampling: bool = True
     # --enable-multi-layer-eagle: an MTP checkpoint's layers draft one step each (a chain, topk 1)
     multi_layer: bool = False
+    # --speculative-attention-mode: the attention path of verification and the draft's extend
+    # (jaxspec/attention.py: "prefill" one pass, "decode" the prefix split from the local region)
+    attention_mode: str = "prefill"
 
     @property
     def enabled(self) -> bool:
@@ -268,7 +271,17 @@ class SpecConfig:
                 log.warning(
                     "speculative_num_steps / speculative_eagle_topk are ignored for NGRAM (the tree has speculative_num_draft_tokens nodes)"
                 )
-            return cls("NGRAM", None, n - 1, 1, n, single, acc, ngram=NgramConfig.from_args(a))
+            return cls(
+                "NGRAM",
+                None,
+                n - 1,
+                1,
+                n,
+                single,
+                acc,
+                ngram=NgramConfig.from_args(a),
+                attention_mode=a.speculative_attention_mode,
+            )
         draft_model_path, shipped_tree = a.speculative_draft_model_path, None
         if draft_model_path is None and bundled and bundled[0] == algo:
             draft_model_path, shipped_tree = bundled[1], bundled[2]
@@ -312,4 +325,5 @@ class SpecConfig:
             a.speculative_token_map,
             adaptive=adaptive,
             multi_layer=bool(a.enable_multi_layer_eagle),
+            attention_mode=a.speculative_attention_mode,
         )

@@ -184,7 +184,9 @@ class Engine:
                 draft_backend = resolve_backend(args.speculative_draft_attention_backend or attention_backend)
             except ValueError as e:
                 raise JaxspecError(str(e)) from None
-            self.proposer = dataclasses.replace(self.proposer, attention_backend=draft_backend)
+            self.proposer = dataclasses.replace(
+                self.proposer, attention_backend=draft_backend, attention_mode=self.spec.attention_mode
+            )
             draft_quant = args.speculative_draft_model_quantization or self.quantization
             if "draft" in self.dparams and (_fuse or draft_quant):  # drafts are replicated: fused for one shard
                 graphdef: Any = self.proposer.graphdef

@@ -22,9 +22,11 @@ import jax.numpy as jnp
 from pallas_kernels.tree_attention import tree_attention
 
 
-def decode_attention_reference(q, k, v, kv_len, *, sliding_window=None, scale=None):
+def decode_attention_reference(q, k, v, kv_len, *, sliding_window=None, scale=None, return_lse=False):
     """Pure jnp. q: [B, H, D]; k, v: [B, S, Hkv, D]; kv_len: [B] int32, the visible columns [0, kv_len)
-    (the query's own KV is the last of them). Returns [B, H, D] in q.dtype; softmax in float32."""
+    (the query's own KV is the last of them). Returns [B, H, D] in q.dtype; softmax in float32. With
+    return_lse: (out [B, H, D] float32, the log-sum-exps of the scaled scores [B, H] float32; -inf
+    and a zero output for a row with no visible column)."""
     b, h, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
     scale = d**-0.5 if scale is None else scale
@@ -34,14 +36,31 @@ def decode_attention_reference(q, k, v, kv_len, *, sliding_window=None, scale=No
     vis = col < kv_len[:, None]  # [B, S]
     if sliding_window is not None:
         vis &= col >= kv_len[:, None] - sliding_window
-    scores = jnp.where(vis[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgs,bskd->bkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, h, d).astype(q.dtype)
+    vis = vis[:, None, None]
+    m = jnp.max(jnp.where(vis, scores, -jnp.inf), axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(vis, jnp.exp(scores - m), 0.0)
+    den = p.sum(axis=-1)  # [B, Hkv, G]
+    out = jnp.einsum("bkgs,bskd->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = (out / jnp.where(den > 0, den, 1.0)[..., None]).reshape(b, h, d)
+    if not return_lse:
+        return out.astype(q.dtype)
+    lse = jnp.where(den > 0, m[..., 0] + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
+    return out, lse.reshape(b, h)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sliding_window", "scale", "block_k", "splits", "num_warps", "num_stages", "interpret")
+    jax.jit,
+    static_argnames=(
+        "sliding_window",
+        "scale",
+        "block_k",
+        "splits",
+        "num_warps",
+        "num_stages",
+        "interpret",
+        "return_lse",
+    ),
 )
 def decode_attention(
     q,
@@ -56,9 +75,11 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    return_lse: bool = False,
 ):
     """q: [B, H, D]; k, v: [B, S, Hkv, D] (read in place); kv_len: [B] int32 visible columns.
-    Returns [B, H, D] in q.dtype. Knobs as in `tree_attention` (splits default: fill the GPU)."""
+    Returns [B, H, D] in q.dtype (with return_lse: out in float32 and the log-sum-exps [B, H] float32,
+    -inf for an empty row). Knobs as in `tree_attention` (splits default: fill the GPU)."""
     # The tree kernel's causal rule with one row: column c is visible iff c - prefix <= 0, i.e.
     # c < kv_len for prefix = kv_len - 1; its sliding-window rule c > prefix - window matches ours.
     out = tree_attention(
@@ -74,5 +95,8 @@ def decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
         interpret=interpret,
+        return_lse=return_lse,
     )
+    if return_lse:
+        return out[0][:, 0], out[1][:, 0]
     return out[:, 0]

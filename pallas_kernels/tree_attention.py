@@ -174,12 +174,14 @@ def _kernel(
 
 
 def _combine(acc, m, l):
-    """Merges the splits' online-softmax states. acc: [..., P, R, D]; m, l: [..., P, R] -> [..., R, D]."""
+    """Merges the splits' online-softmax states. acc: [..., P, R, D]; m, l: [..., P, R] ->
+    (out [..., R, D], lse [..., R]: log of the softmax denominator, -inf for a row that saw nothing)."""
     m_all = m.max(axis=-2, keepdims=True)
     w = jnp.exp(m - m_all)  # [..., P, R]
     num = (acc * w[..., None]).sum(axis=-3)
     den = (l * w).sum(axis=-2)
-    return num / jnp.where(den > 0, den, 1.0)[..., None]
+    lse = jnp.where(den > 0, m_all[..., 0, :] + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
+    return num / jnp.where(den > 0, den, 1.0)[..., None], lse
 
 
 def default_splits(b: int, hkv: int, row_blocks: int, s: int) -> int:
@@ -190,7 +192,17 @@ def default_splits(b: int, hkv: int, row_blocks: int, s: int) -> int:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sliding_window", "scale", "block_k", "block_r", "splits", "num_warps", "num_stages", "interpret"),
+    static_argnames=(
+        "sliding_window",
+        "scale",
+        "block_k",
+        "block_r",
+        "splits",
+        "num_warps",
+        "num_stages",
+        "interpret",
+        "return_lse",
+    ),
 )
 def tree_attention(
     q,
@@ -208,10 +220,13 @@ def tree_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    return_lse: bool = False,
 ):
     """q: [B, T, H, D]; k, v: [B, S, Hkv, D] (the cache, read in place); kv_len: [B] int32;
     local_mask: [B, T, W] bool or None (causal); offset: int32 scalar (may be traced), query token t
-    sits at cache column kv_len + offset + t. Returns [B, T, H, D] in q.dtype.
+    sits at cache column kv_len + offset + t. Returns [B, T, H, D] in q.dtype. With return_lse:
+    (out [B, T, H, D] float32, the rows' log-sum-exps of scaled scores [B, T, H] float32, -inf and a
+    zero output where no column was visible), for merging with attention over other columns.
 
     Tuning knobs (static): block_k KV columns per step (default 64, must divide S), block_r packed
     query rows per program (default: all rows up to 64), splits of the visible columns (default: fill
@@ -280,9 +295,12 @@ def tree_attention(
         interpret=interpret,
         name="tree_attention",
     )(*inputs)
-    out = _combine(acc, m, l)[:, :, :rows]  # [B, Hkv, T*G, D]
-    out = out.reshape(b, hkv, t, group, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
-    return out.astype(q.dtype)
+    out, lse = _combine(acc, m, l)  # [B, Hkv, R, D], [B, Hkv, R]
+    out = out[:, :, :rows].reshape(b, hkv, t, group, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
+    if not return_lse:
+        return out.astype(q.dtype)
+    lse = lse[:, :, :rows].reshape(b, hkv, t, group).transpose(0, 2, 1, 3).reshape(b, t, h)
+    return out, lse
 
 
 def _compiler_params(num_warps: int, num_stages: int):

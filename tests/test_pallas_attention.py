@@ -4,11 +4,14 @@ Off a GPU the kernels run in Pallas interpret mode (the same kernel body, execut
 GPU the same tests run the compiled Triton kernels. Cases: ragged kv_len per slot (including 0 and a
 full cache), N in {1, 4, 8, 16, 32, 64} tree tokens with ancestor masks of real trees (random parent
 pointers through `build_tree`), GQA ratios 1/3/4/8, float32 and bfloat16, causal prefill chunks with
-row tiling, draft-beam masks with an offset, sliding windows, and explicit split counts.
+row tiling, draft-beam masks with an offset, sliding windows, and explicit split counts. Decode
+mode (the prefix through the decode kernel, the local region apart, merged by log-sum-exps) against
+the one-pass reference, and the engine in that mode token-identical to plain decoding.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -130,6 +133,79 @@ def test_pallas_draft_beam_mask():
     )
 
 
+def test_kernels_return_the_log_sum_exp():
+    """return_lse: float32 outputs and each row's log-sum-exp of scaled scores (-inf, zeros for a
+    row that sees nothing), from the tree kernel, the decode kernel and the decode reference."""
+    b, n, hkv, group, d, s = 3, 8, 2, 3, 64, 128
+    rng, q, k, v = _qkv(21, b, n, hkv * group, hkv, d, s, jnp.float32)
+    kv_len = jnp.asarray([0, 40, s - n], jnp.int32)
+    mask = _tree_mask(rng, b, n)
+    out, lse = tree_attention(q, k, v, kv_len, mask, interpret=INTERPRET, return_lse=True)
+    assert out.dtype == lse.dtype == jnp.float32 and lse.shape == (b, n, hkv * group)
+    _close(out, tree_attention_reference(q, k, v, kv_len, mask), jnp.float32)
+    # the reference's visibility, rebuilt densely: prefix columns, then the mask over the region
+    col = np.arange(s)[None, None, :]
+    rel = col - np.asarray(kv_len)[:, None, None]
+    vis = (rel < 0) | ((rel < n) & np.take_along_axis(np.asarray(mask), np.clip(rel, 0, n - 1).repeat(n, 1), 2))
+    scores = jnp.einsum("bthd,bshd->bths", q, jnp.repeat(k, group, axis=2)) * d**-0.5
+    want = jax.nn.logsumexp(jnp.where(vis[:, :, None], scores, -jnp.inf), axis=-1)
+    _close(lse, want, jnp.float32)
+    for fn in (functools.partial(decode_attention, interpret=INTERPRET), decode_attention_reference):
+        o, row_lse = fn(q[:, 0], k, v, kv_len, return_lse=True)
+        assert o.dtype == jnp.float32
+        dense = jnp.where(col[:, 0, None, :] < np.asarray(kv_len)[:, None, None], scores[:, 0], -jnp.inf)
+        _close(row_lse[1:], jax.nn.logsumexp(dense, axis=-1)[1:], jnp.float32)
+        assert np.all(np.isneginf(np.asarray(row_lse[0]))) and not np.any(np.asarray(o[0]))  # kv_len 0
+
+
+SPLIT_CASES = [(8, 3, jnp.float32), (16, 4, jnp.bfloat16), (1, 1, jnp.float32), (64, 8, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize(
+    "n,group,dtype", SPLIT_CASES, ids=[f"N{n}-G{g}-{jnp.dtype(d).name}" for n, g, d in SPLIT_CASES]
+)
+def test_decode_mode_matches_the_one_pass_reference(backend, n, group, dtype):
+    """--speculative-attention-mode decode: verification trees (empty prefix, ragged, ending at the
+    cache's last column) and causal extend blocks at an offset give the one-pass result."""
+    from jaxspec.attention import attention, with_mode
+
+    b, hkv, d, s = 3, 2, 64, 256
+    rng, q, k, v = _qkv(30 + n, b, n, hkv * group, hkv, d, s, dtype)
+    kv_len = jnp.asarray([0, 77, s - n - 3], jnp.int32)
+    mask = _tree_mask(rng, b, n)
+    mode = with_mode(backend, "decode")
+    assert mode == f"{backend}:decode" and with_mode(mode, "prefill") == backend
+    _close(attention(q, k, v, kv_len, mask, backend=mode), tree_attention_reference(q, k, v, kv_len, mask), dtype)
+    _close(
+        attention(q, k, v, kv_len, None, offset=3, backend=mode),
+        tree_attention_reference(q, k, v, kv_len, None, offset=3),
+        dtype,
+    )
+
+
+def test_decode_mode_leaves_what_it_does_not_split_to_the_one_path(caplog):
+    """One causal row is plain decode already; a sliding window or a traced offset runs the one
+    pass (logged once); an unknown mode is an error."""
+    from jaxspec.attention import attention, with_mode
+
+    b, t, hkv, group, d, s = 2, 4, 1, 2, 16, 64
+    _, q, k, v = _qkv(5, b, t, hkv * group, hkv, d, s, jnp.float32)
+    kv_len = jnp.asarray([3, 40], jnp.int32)
+    ref = lambda **kw: tree_attention_reference(q, k, v, kv_len, None, **kw)
+    with caplog.at_level(logging.INFO, logger="jaxspec.attention"):
+        _close(attention(q, k, v, kv_len, None, 8, backend="xla:decode"), ref(sliding_window=8), jnp.float32)
+        traced = jax.jit(lambda off: attention(q, k, v, kv_len, None, offset=off, backend="xla:decode"))(2)
+        _close(traced, ref(offset=2), jnp.float32)
+    assert "sliding window" in caplog.text and "traced offset" in caplog.text
+    one = attention(q[:, :1], k, v, kv_len, backend="xla:decode")
+    _close(one, tree_attention_reference(q[:, :1], k, v, kv_len), jnp.float32)
+    with pytest.raises(ValueError, match="unknown attention mode"):
+        attention(q, k, v, kv_len, backend="xla:sideways")
+    with pytest.raises(ValueError, match="unknown attention mode"):
+        with_mode("xla", "sideways")
+
+
 # ---- the engine on the pallas backend -----------------------------------------------------------
 
 V = 16
@@ -190,6 +266,35 @@ def test_engine_pallas_backend_token_identical(models, algo, draft, knobs, caplo
             outs[backend] = [r["output_ids"] for r in eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
     assert "using xla" not in caplog.text  # the kernels ran; no shape fell back
     assert outs["pallas"] == outs["xla"]
+
+
+@pytest.mark.parametrize(
+    "algo,draft,knobs",
+    [("EAGLE3", "eagle3", (3, 4, 8)), pytest.param("STANDALONE", "small", (3, 2, 6), marks=pytest.mark.slow)],
+)
+def test_engine_decode_attention_mode_token_identical(models, algo, draft, knobs):
+    """--speculative-attention-mode decode on both backends: greedy output equal to plain decoding."""
+    from jaxspec.engine import Engine
+
+    kw = dict(skip_tokenizer_init=True, show_progress=False, chunked_prefill_size=8)
+    plain = [
+        r["output_ids"] for r in Engine(models["target"], **kw).generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    ]
+    steps, topk, n = knobs
+    spec = dict(
+        speculative_algorithm=algo,
+        speculative_draft_model_path=models[draft],
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=n,
+        speculative_attention_mode="decode",
+    )
+    for backend in ("xla", "pallas"):
+        eng = Engine(models["target"], attention_backend=backend, **kw, **spec)
+        assert eng.spec.attention_mode == "decode" and eng.proposer.extend_backend == f"{backend}:decode"
+        out = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        assert [r["output_ids"] for r in out] == plain
+        assert sum(r["meta_info"]["spec_verify_ct"] for r in out) < sum(len(p) for p in plain)  # drafts accepted
 
 
 def test_backend_flag_errors_and_default():

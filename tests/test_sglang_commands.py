@@ -62,6 +62,14 @@ COMMANDS = [
         (1, 1, 2),
     ),
     (
+        "eagle3-decode-attention",  # the parameter reference's attention flags
+        "--model TARGET --speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFT3 "
+        "--speculative-num-steps 3 --speculative-eagle-topk 4 --speculative-num-draft-tokens 16 "
+        "--speculative-attention-mode decode --speculative-draft-attention-backend xla --log-level warning",
+        {},
+        (3, 4, 16),
+    ),
+    (
         "standalone",
         "--model TARGET --speculative-algorithm STANDALONE --speculative-draft-model-path SMALL "
         "--speculative-num-steps 4 --speculative-eagle-topk 2 --speculative-num-draft-tokens 7 "

@@ -158,9 +158,11 @@ def test_bad_tp_sizes_are_clear_errors(tiny):
 
 def test_pallas_kernels_run_per_device(tiny):
     """--attention-backend pallas at tp = 2: the kernels run under shard_map on each device's heads
-    (interpret mode on CPU), for the target and the replicated EAGLE-3 draft, and give the xla tokens."""
+    (interpret mode on CPU), for the target and the replicated EAGLE-3 draft, and give the xla tokens;
+    so does the decode attention mode's split verification."""
     p = tiny["pallas"]
     assert p["NONE/pallas/2"] == p["NONE/xla/1"] and p["EAGLE3/pallas/2"] == p["NONE/xla/1"]
+    assert p["EAGLE3/pallas:decode/2"] == p["NONE/xla/1"]
     assert p["fallbacks"] == 0  # no shape fell back to xla
 
 
@@ -330,7 +332,13 @@ def _tiny_checks(d: str) -> dict:
     from jaxspec import attention
 
     res["pallas"] = {}
-    for algo, backend, tp in [("NONE", "xla", 1), ("NONE", "pallas", 2), ("EAGLE3", "pallas", 2)]:
+    for algo, backend, tp in [
+        ("NONE", "xla", 1),
+        ("NONE", "pallas", 2),
+        ("EAGLE3", "pallas", 2),
+        ("EAGLE3", "pallas:decode", 2),
+    ]:
+        backend, _, mode = backend.partition(":")
         eng = Engine(
             f"{d}/target16",
             skip_tokenizer_init=True,
@@ -340,9 +348,10 @@ def _tiny_checks(d: str) -> dict:
             attention_backend=backend,
             speculative_algorithm=algo,
             **(dict(speculative_draft_model_path=f"{d}/eagle3_16", **KNOBS) if algo == "EAGLE3" else {}),
+            **(dict(speculative_attention_mode=mode) if mode else {}),
         )
         assert eng.backend == backend
-        res["pallas"][f"{algo}/{backend}/{tp}"] = [
+        res["pallas"][f"{algo}/{backend}{':' + mode if mode else ''}/{tp}"] = [
             o["output_ids"] for o in eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         ]
     res["pallas"]["fallbacks"] = attention._warn_fallback.cache_info().currsize

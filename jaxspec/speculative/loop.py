@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxspec.attention import with_mode
 from jaxspec.cache import KVCache
 from jaxspec.config import SpecConfig
 from jaxspec.decode import LENGTH, RUNNING, STOPPED, target_prefill
@@ -248,7 +249,12 @@ def spec_round(
     cache = state.cache
     pos = cache.lengths[:, None] + tree.depth
     h, cache, cap = tgt(
-        tree.tokens, pos, cache, local_mask=tree.anc, capture_layers=prop.capture_layers, backend=backend
+        tree.tokens,
+        pos,
+        cache,
+        local_mask=tree.anc,
+        capture_layers=prop.capture_layers,
+        backend=with_mode(backend, spec.attention_mode),
     )
     keys = jax.vmap(jax.random.fold_in)(
         jax.vmap(jax.random.fold_in)(st.keys, jnp.ones_like(state.verify_ct)), state.verify_ct

@@ -15,6 +15,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from jaxspec.attention import with_mode
 from jaxspec.cache import KVCache
 from jaxspec.errors import JaxspecError
 
@@ -40,6 +41,12 @@ class Proposer:
     uses_hidden: bool = False  # the draft consumes target / fed-back hidden states
     builds_tree: bool = False  # the proposer builds the whole tree itself (propose_tree), e.g. NGRAM
     attention_backend: str = "xla"  # the draft model's attention (jaxspec.attention); the engine sets it
+    attention_mode: str = "prefill"  # the attention mode of `extend` (--speculative-attention-mode)
+
+    @property
+    def extend_backend(self) -> str:
+        """The backend string `extend` runs its draft forward with (attention.with_mode)."""
+        return with_mode(self.attention_backend, self.attention_mode)
 
     def __hash__(self):
         return id(self)

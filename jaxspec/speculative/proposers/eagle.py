@@ -62,10 +62,10 @@ class EagleProposer(Proposer):
             return nnx.merge(self.graphdef, dparams["draft"]).to_target(ids)
         return super().to_target(dparams, ids)
 
-    def _run(self, dparams, tgt, cache, tokens, hidden, pos, mask=None, offset=0):
+    def _run(self, dparams, tgt, cache, tokens, hidden, pos, mask=None, offset=0, backend=None):
         head = nnx.merge(self.graphdef, dparams["draft"])
         embeds = tgt.embed_tokens[...][tokens]
-        lh, fb, cache = head(embeds, hidden, pos, cache, mask, offset, self.attention_backend)
+        lh, fb, cache = head(embeds, hidden, pos, cache, mask, offset, backend or self.attention_backend)
         return head, lh, fb, cache
 
     def prefill_chunk(self, dparams, tgt, cache, tokens, feats, start, commit_lens):
@@ -79,7 +79,7 @@ class EagleProposer(Proposer):
         cache = state.cache
         b, t = tokens.shape
         pos = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        head, lh, fb, cache = self._run(dparams, tgt, cache, tokens, feats, pos)
+        head, lh, fb, cache = self._run(dparams, tgt, cache, tokens, feats, pos, backend=self.extend_backend)
         root = self._probs(dparams, tgt, head, pick_rows(lh, n_block - 1))
         root_h = pick_rows(fb, n_block - 1).astype(state.root_hidden.dtype)
         cache = dataclasses.replace(cache, lengths=cache.lengths + jnp.where(active, n_block, 0))
@@ -109,7 +109,7 @@ class MultiLayerMTPProposer(EagleProposer):
         unused = tuple(jnp.zeros((batch, max_len, 1, 1), dtype) for _ in range(d - 1))
         return dataclasses.replace(kv, k=kv.k + outs, v=kv.v + unused)
 
-    def _module(self, dparams, tgt, cache, j: int, tokens, feats, frontier):
+    def _module(self, dparams, tgt, cache, j: int, tokens, feats, frontier, backend=None):
         """Module j over T rows after module 1's frontier [B] (its committed length): rows at
         positions s + t, s = max(frontier - (j - 1), 0), with token x_{p+j} = tokens[p + j - 1 -
         frontier] (tokens [B, T] = x_{frontier+1} ..) and hidden h^{j-1}_p (feats [B, T, H] for
@@ -129,16 +129,16 @@ class MultiLayerMTPProposer(EagleProposer):
         embeds = tgt.embed_tokens[...][toks]
         lengths = cache.lengths
         c = dataclasses.replace(cache, lengths=s)
-        out, _, c = head(embeds, hidden, pos, c, None, 0, self.attention_backend, layer=j - 1)
+        out, _, c = head(embeds, hidden, pos, c, None, 0, backend or self.attention_backend, layer=j - 1)
         if j < d:
             c = c.write(d + j - 1, out[:, :, None, :], jnp.zeros(out.shape[:2] + (1, 1), out.dtype), s)
         return out, s, dataclasses.replace(c, lengths=lengths)
 
-    def _all(self, dparams, tgt, cache, tokens, feats, frontier):
+    def _all(self, dparams, tgt, cache, tokens, feats, frontier, backend=None):
         """Every module over the block; -> (module 1's outputs [B, T, H], cache)."""
         outs = []
         for j in range(1, self.num_modules + 1):
-            out, _, cache = self._module(dparams, tgt, cache, j, tokens, feats, frontier)
+            out, _, cache = self._module(dparams, tgt, cache, j, tokens, feats, frontier, backend)
             outs.append(out)
         return outs[0], cache
 
@@ -149,7 +149,7 @@ class MultiLayerMTPProposer(EagleProposer):
 
     def extend(self, dparams, tgt, state, tokens, feats, n_block, active):
         cache = state.cache
-        out, cache = self._all(dparams, tgt, cache, tokens, feats, cache.lengths)
+        out, cache = self._all(dparams, tgt, cache, tokens, feats, cache.lengths, self.extend_backend)
         last = pick_rows(out, n_block - 1)
         root = self._probs(dparams, tgt, None, last)
         cache = dataclasses.replace(cache, lengths=cache.lengths + jnp.where(active, n_block, 0))

@@ -39,7 +39,7 @@ class StandaloneProposer(Proposer):
         cache = state.cache
         b, t = tokens.shape
         pos = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        h, cache, _ = draft(tokens, pos, cache, backend=self.attention_backend)
+        h, cache, _ = draft(tokens, pos, cache, backend=self.extend_backend)
         root = jax.nn.softmax(self._logits(dparams, draft, pick_rows(h, n_block - 1)), -1)
         cache = dataclasses.replace(cache, lengths=cache.lengths + jnp.where(active, n_block - 1, 0))
         return DraftState(cache, jnp.where(active[:, None], root, state.root_probs), state.root_hidden)
