@@ -48,6 +48,7 @@ def open_hf_dir(path: str, check_config: bool = True) -> Source:
         ModelConfig.from_hf(config)
     st_files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     bin_files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
+    checkpoint_quantization(config)  # an unsupported quantization format is an error before reading weights
     if st_files:
         block = (config.get("quantization_config") or {}).get("weight_block_size")
         names, get = _safetensors_reader(st_files, block)
@@ -58,9 +59,57 @@ def open_hf_dir(path: str, check_config: bool = True) -> Source:
     return Source(path, "hf", config, names, get, lambda: hf_tokenizer(path))
 
 
+# quant_method values of quantization_config that name formats jaxspec cannot read
+UNSUPPORTED_QUANT = ("gptq", "awq", "marlin", "bitsandbytes", "aqlm", "hqq", "exl2", "mxfp4", "fp4", "nvfp4", "gguf")
+
+
+def checkpoint_quantization(config: dict) -> str | None:
+    """The `--quantization` mode a checkpoint's quantization_config describes (its weights are read
+    back dequantised by `_dequantize`, and the engine serves them in this mode unless told otherwise):
+      quant_method fp8 / fbgemm_fp8                               -> "fp8"
+      quant_method w8a8_int8 (SGLang's)                           -> "w8a8_int8"
+      quant_method compressed-tensors (llm-compressor), 8-bit int -> "w8a8_int8" with int8 input
+        activations, else "int8"; 8-bit float -> "fp8"
+    None without a quantization_config. Other formats (GPTQ, AWQ, 4-bit) are a JaxspecError."""
+    qc = config.get("quantization_config")
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method in ("fp8", "fbgemm_fp8"):
+        return "fp8"
+    if method == "w8a8_int8":
+        return "w8a8_int8"
+    if method == "compressed-tensors":
+        modes = {_compressed_tensors_group(g) for g in (qc.get("config_groups") or {}).values()}
+        if len(modes) == 1:
+            return modes.pop()
+        if not modes:
+            raise JaxspecError("quantization_config (compressed-tensors) has no config_groups")
+        raise JaxspecError(f"quantization_config mixes schemes ({', '.join(sorted(modes))}); jaxspec serves one")
+    hint = " (a 4-bit or calibrated format)" if any(m in method for m in UNSUPPORTED_QUANT) else ""
+    raise JaxspecError(
+        f"quantization_config.quant_method {method!r}{hint} is not supported; jaxspec reads fp8, w8a8_int8 and "
+        "8-bit compressed-tensors checkpoints; load the unquantized model and pass --quantization instead"
+    )
+
+
+def _compressed_tensors_group(group: dict) -> str:
+    w, a = group.get("weights") or {}, group.get("input_activations")
+    bits, kind, strategy = w.get("num_bits"), w.get("type"), w.get("strategy", "channel")
+    if bits != 8 or kind not in ("int", "float") or strategy not in ("channel", "tensor"):
+        raise JaxspecError(
+            f"compressed-tensors weights of {bits} bits, type {kind}, strategy {strategy} are not supported; jaxspec "
+            "reads 8-bit int or float weights with per-channel or per-tensor scales"
+        )
+    if kind == "float":
+        return "fp8"
+    return "w8a8_int8" if a and a.get("num_bits") == 8 and a.get("type") == "int" else "int8"
+
+
 def _safetensors_reader(files: list[str], block: list[int] | None = None):
-    """(names, get) over safetensors files; fp8 weights are read back to float32 (_dequantize_fp8,
-    `block`: the [rows, columns] of block-wise scales, quantization_config.weight_block_size)."""
+    """(names, get) over safetensors files; quantized weights (fp8 or int8 with scales) are read back
+    to float32 (_dequantize; `block`: the [rows, columns] of block-wise scales,
+    quantization_config.weight_block_size)."""
     from safetensors import SafetensorError, safe_open
 
     where: dict[str, object] = {}
@@ -86,7 +135,8 @@ def _safetensors_reader(files: list[str], block: list[int] | None = None):
             raise JaxspecError(f"corrupt or truncated tensor {name!r}: {e}") from None
 
     names, get = list(where), get
-    return _dequantize_fp8(names, get, block) if fp8 else (names, get)
+    quantized = fp8 or any(n.endswith((".weight_scale", ".weight_scale_inv")) for n in names)
+    return _dequantize(names, get, block) if quantized else (names, get)
 
 
 def _safetensors_header(path: str) -> tuple[dict, int]:
@@ -111,27 +161,44 @@ def _read_fp8(path: str, entry: dict, start: int) -> np.ndarray:
     return np.frombuffer(buf, ml_dtypes.float8_e4m3fn).reshape(entry["shape"])
 
 
-def _dequantize_fp8(names: list[str], get, block: list[int] | None = None):
-    """fp8 checkpoints read back as float32; the engine quantizes them again (per output channel,
-    which reproduces per-channel checkpoints exactly and block-wise ones closely). Two public layouts:
+def _dequantize(names: list[str], get, block: list[int] | None = None):
+    """Quantized checkpoints read back as float32; the engine quantizes them again (per output
+    channel, symmetric: that reproduces per-channel checkpoints whose channels reach the format's
+    largest value (absmax scaling, what llm-compressor and SGLang write) exactly, and others within
+    one rounding). The public layouts:
 
-    - e4m3 `weight` [out, in] with a float32 `weight_scale`, per tensor or per output channel
-      [out, 1] (llm-compressor / vLLM / SGLang): w = q * scale;
+    - e4m3 or int8 `weight` [out, in] with a `weight_scale`, per tensor or per output channel
+      ([out] or [out, 1]; llm-compressor / vLLM / SGLang fp8, SGLang w8a8_int8, compressed-tensors),
+      and optionally a `weight_zero_point` of the same shape: w = (q - zero_point) * scale;
     - block-wise (DeepSeek-V3 / Qwen3-FP8): e4m3 `weight` [out, in] with a float32
       `weight_scale_inv` [ceil(out / bo), ceil(in / bi)], one scale per bo x bi block (`block`,
       from quantization_config.weight_block_size; 128 x 128 when absent):
       w[i, j] = q[i, j] * scale_inv[i // bo, j // bi] (despite its name the scale multiplies)."""
     import ml_dtypes
 
+    present = set(names)
     scaled = {n[: -len("_scale")] for n in names if n.endswith(".weight_scale")}
     blocked = {n[: -len("_scale_inv")] for n in names if n.endswith(".weight_scale_inv")}
     bo, bi = (int(block[0]), int(block[1])) if block else (128, 128)
 
+    def per_channel(name: str, suffix: str, rows: int) -> np.ndarray:
+        x = np.asarray(get(name + suffix), np.float32)
+        if x.size == 1:
+            return x.reshape(())
+        if x.size == rows and x.shape[0] == rows:
+            return x.reshape(rows, 1)
+        raise JaxspecError(
+            f"{name}{suffix} has shape {list(x.shape)}; jaxspec reads per-tensor or per-output-channel scales "
+            f"([{rows}] or [{rows}, 1]), not group- or block-wise ones"
+        )
+
     def read(name: str) -> np.ndarray:
         w = get(name)
-        if name in scaled:
-            scale = np.asarray(get(name + "_scale"), np.float32)
-            return w.astype(np.float32) * (scale.reshape(-1, 1) if scale.size > 1 else scale.reshape(()))
+        if name in scaled and w.dtype in (np.int8, ml_dtypes.float8_e4m3fn):
+            q = w.astype(np.float32)
+            if name + "_zero_point" in present:
+                q = q - per_channel(name, "_zero_point", w.shape[0])
+            return q * per_channel(name, "_scale", w.shape[0])
         if name in blocked:
             scale = np.asarray(get(name + "_scale_inv"), np.float32)
             rows, cols = w.shape
@@ -144,7 +211,9 @@ def _dequantize_fp8(names: list[str], get, block: list[int] | None = None):
             return w.astype(np.float32) * full
         return w.astype(np.float32) if w.dtype == ml_dtypes.float8_e4m3fn else w
 
-    keep = [n for n in names if not n.endswith((".weight_scale", ".weight_scale_inv", ".input_scale"))]
+    keep = [
+        n for n in names if not n.endswith((".weight_scale", ".weight_scale_inv", ".weight_zero_point", ".input_scale"))
+    ]
     return keep, read
 
 

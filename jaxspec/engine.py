@@ -148,7 +148,7 @@ class Engine:
         self.dtype = jnp_dtype(args.dtype)
         self.params: Any
         check_heads(self.cfg, args.tp_size)
-        # an fp8 checkpoint is served in fp8 unless --quantization says otherwise
+        # a quantized checkpoint (fp8, int8, w8a8_int8) is served so unless --quantization says otherwise
         self.quantization = args.quantization or _loaded.quantization
         model: Any = nnx.clone(_loaded.model) if given and (_fuse or self.quantization) else _loaded.model
         model = fuse_projections(model, args.tp_size) if _fuse else model

@@ -8,7 +8,7 @@ import os
 import jax.numpy as jnp
 
 from convert.source import hf_tokenizer
-from convert.sources import open_source
+from convert.sources import checkpoint_quantization, open_source
 from jaxspec.config import ModelConfig
 from jaxspec.default_model import default_model_path
 from jaxspec.errors import JaxspecError
@@ -34,7 +34,9 @@ class LoadedModel:
     tokenizer: object
     path: str
     source_kind: str  # "hf" (also jaxspec checkpoints) | "gguf"
-    quantization: str | None = None  # "fp8": the checkpoint was quantized so (its weights are read back dequantised)
+    # the checkpoint's own quantization (convert.sources.checkpoint_quantization: fp8, int8 or
+    # w8a8_int8; its weights are read back dequantised), served unless --quantization says otherwise
+    quantization: str | None = None
 
 
 def resolve_model_path(model_path: str | None, progress: bool = True) -> str:
@@ -66,8 +68,7 @@ def load(
         desc=f"loading {os.path.basename(path.rstrip('/'))}",
         place=placer(mesh),
     )
-    qc = src.config.get("quantization_config") or {}
-    quant = "fp8" if str(qc.get("quant_method", "")).lower() in ("fp8", "fbgemm_fp8") else None
+    quant = checkpoint_quantization(src.config) if src.kind == "hf" else None
     if not with_tokenizer:
         return LoadedModel(cfg, model, None, path, src.kind, quant)
     tokenizer = hf_tokenizer(tokenizer_path) if tokenizer_path else src.load_tokenizer()

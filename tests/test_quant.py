@@ -236,3 +236,119 @@ def test_blockwise_fp8_checkpoint_loads(models, tmp_path):  # noqa: F811
     bad = write(tmp_path / "bad", quant, {**cfg, "quantization_config": {**qcfg, "weight_block_size": [16, 16]}})
     with pytest.raises(JaxspecError, match="weight_block_size"):
         open_hf_dir(bad).get(next(iter(deq)))
+
+
+W8A8_CT = {  # llm-compressor's W8A8 int8 recipe, as its config.json describes it
+    "quant_method": "compressed-tensors",
+    "format": "int-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+            "input_activations": {
+                "num_bits": 8,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "token",
+                "dynamic": True,
+            },
+        }
+    },
+    "ignore": ["lm_head"],
+}
+WEIGHT_ONLY_CT = {
+    **W8A8_CT,
+    "config_groups": {"group_0": {**W8A8_CT["config_groups"]["group_0"], "input_activations": None}},
+}
+INT8_FORMATS = [
+    ("sglang-w8a8", {"quant_method": "w8a8_int8"}, "w8a8_int8", False),
+    ("compressed-tensors-w8a8", W8A8_CT, "w8a8_int8", True),
+    ("compressed-tensors-weight-only", WEIGHT_ONLY_CT, "int8", True),
+]
+
+
+@pytest.mark.parametrize("name,qcfg,mode,ct", INT8_FORMATS, ids=[f[0] for f in INT8_FORMATS])
+def test_int8_checkpoint_loads_with_its_own_weights(models, tmp_path, name, qcfg, mode, ct):  # noqa: F811
+    """Checkpoints in the public int8 layouts, written here with torch from their tensor names: int8
+    `weight` [out, in] with a per-output-channel `weight_scale` [out, 1] (absmax / 127; bfloat16 and
+    with a zero `weight_zero_point` in the compressed-tensors ones). They load, are served in the mode
+    their quantization_config names, with exactly the int8 weights jaxspec's own quantization of the
+    same float weights gives, and decode as that model does."""
+    import json
+    import shutil
+
+    import jax
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = models["target"]
+    tensors = load_file(f"{src}/model.safetensors")
+    quant = {}
+    for n, w in tensors.items():
+        if n.endswith("_proj.weight"):
+            scale = w.abs().amax(dim=1, keepdim=True).float() / 127.0
+            quant[n] = torch.clamp(torch.round(w / scale), -127, 127).to(torch.int8)
+            quant[n + "_scale"] = scale.to(torch.bfloat16) if ct else scale
+            if ct:
+                quant[n + "_zero_point"] = torch.zeros_like(quant[n][:, :1])
+                # the float model jaxspec quantizes: the same weights, read back at the stored scale's precision
+                tensors[n] = quant[n].float() * quant[n + "_scale"].float()
+        else:
+            quant[n] = w
+    out = tmp_path / name
+    shutil.copytree(src, out)
+    save_file(quant, str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": qcfg}))
+    floats = tmp_path / "float"
+    shutil.copytree(src, floats)
+    save_file(tensors, str(floats / "model.safetensors"))
+
+    eng = engine(dict(models, q=str(out)), target="q")
+    ref = engine(dict(models, f=str(floats)), target="f", quantization=mode)
+    assert eng.quantization == mode
+    ints = lambda e: [x for x in jax.tree_util.tree_leaves(e.params) if x.dtype == jnp.int8]
+    assert len(ints(eng)) == len(ints(ref)) > 0
+    for a, b in zip(ints(eng), ints(ref)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    want = [r["output_ids"] for r in ref.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    assert [r["output_ids"] for r in eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == want
+
+
+def test_unsupported_quantized_checkpoints_are_clear_errors(models, tmp_path):  # noqa: F811
+    """GPTQ / AWQ / 4-bit / group-wise configs are refused before the weights are read, naming the
+    format; a scale whose shape is not per tensor or per channel is refused when read."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from convert.sources import checkpoint_quantization, open_hf_dir
+
+    assert checkpoint_quantization({}) is None
+    assert checkpoint_quantization({"quantization_config": {"quant_method": "FP8"}}) == "fp8"
+    for qc, match in [
+        ({"quant_method": "gptq", "bits": 4}, "'gptq' \\(a 4-bit or calibrated format\\) is not supported"),
+        ({"quant_method": "awq"}, "'awq'"),
+        ({"quant_method": "mystery"}, "load the unquantized model and pass --quantization"),
+        (
+            {**W8A8_CT, "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
+            "4 bits, type int, strategy group are not supported",
+        ),
+        ({**W8A8_CT, "config_groups": {}}, "no config_groups"),
+    ]:
+        with pytest.raises(JaxspecError, match=match):
+            checkpoint_quantization({"quantization_config": qc})
+    src = models["target"]
+    tensors = load_file(f"{src}/model.safetensors")
+    n = next(n for n in tensors if n.endswith("q_proj.weight"))
+    tensors[n] = torch.ones_like(tensors[n], dtype=torch.int8)
+    tensors[n + "_scale"] = torch.ones(tensors[n].shape[0], 2)  # group-wise: two scales per row
+    out = tmp_path / "grouped"
+    shutil.copytree(src, out)
+    save_file(tensors, str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "w8a8_int8"}}))
+    with pytest.raises(JaxspecError, match="not group- or block-wise"):
+        open_hf_dir(str(out)).get(n)
