@@ -5,7 +5,10 @@
 --kernels  decode (N = 1) and tree verification (N = 8..64) attention over a bf16 cache shaped like
            Llama-3.1-8B's (8 KV heads x GQA 4, head_dim 128), batch 1 and 8, context 1k/4k/16k:
            our Pallas kernel vs our XLA reference vs `jax.nn.dot_product_attention` (XLA, with the
-           dense mask it needs). Times are medians of jitted calls; GB/s counts the K/V bytes read.
+           dense mask it needs), and for trees the decode attention mode (--speculative-attention-mode
+           decode: the prefix through the decode kernel with the tree rows folded into the GQA group,
+           the tree columns apart, merged). Times are medians of jitted calls; GB/s counts the K/V
+           bytes read.
 --model    a Llama-3.1-8B-shaped model with random bf16 weights, batch 1, context 1024:
            (a) the target forward of one decode step and of one verification tree of N = 8/16/32/64
                tokens, for both backends (the ratio verify(N) / decode is what speculation pays per
@@ -49,8 +52,13 @@ def kernels(smoke: bool):
     interpret = jax.default_backend() != "gpu"
     hkv, g, d = (2, 4, 64) if smoke else (8, 4, 128)
     rng = np.random.default_rng(0)
-    print("| B | context | N | pallas µs | xla-ref µs | jax.nn.dpa µs | pallas GB/s | pallas vs ref | pallas vs dpa |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    from jaxspec.attention import attention
+
+    print(
+        "| B | context | N | pallas µs | xla-ref µs | jax.nn.dpa µs | pallas GB/s | pallas vs ref | pallas vs dpa "
+        "| decode mode µs | decode mode vs pallas |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for b in (1,) if smoke else (1, 8):
         for s in (256,) if smoke else (1024, 4096, 16384):
             k = jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.bfloat16)
@@ -80,9 +88,15 @@ def kernels(smoke: bool):
                 dpa = jax.jit(lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m[:, None]))
                 t_dpa = median_ms(dpa, q, k, v, dense)
                 gbs = 2 * b * s * hkv * d * 2 / (t_ours * 1e-3) / 1e9
+                split = "– | – |"
+                if n > 1:
+                    t_split = median_ms(
+                        jax.jit(functools.partial(attention, backend="pallas:decode")), q, k, v, kv_len, mask
+                    )
+                    split = f"{1e3 * t_split:.0f} | {t_ours / t_split:.2f}× |"
                 print(
                     f"| {b} | {s} | {n} | {1e3 * t_ours:.0f} | {1e3 * t_ref:.0f} | {1e3 * t_dpa:.0f} | {gbs:.0f} | "
-                    f"{t_ref / t_ours:.2f}× | {t_dpa / t_ours:.2f}× |",
+                    f"{t_ref / t_ours:.2f}× | {t_dpa / t_ours:.2f}× | {split}",
                     flush=True,
                 )
 
