@@ -13,7 +13,8 @@ Times are medians per call, jitted, after a warm-up, the two layouts alternating
 --int8 times the quantized matmuls on the same stack instead: float32 in both layouts, int8
 weight-only (the weight converted to float for the dot, as `--quantization int8` runs), w8a8_int8
 (`models/llama.py:int8_matmul`: per-token int8 activations, int32 accumulation) and the same int8
-dot without int8_matmul's padding of one row to two. The weight-only runs are timed after all the
+dot without int8_matmul's padding of one row to two, and (up to SMALL_ROWS rows) w8a8_int8 through
+the native int8 kernel on out-major weights, as CPU engines run it (jaxspec/native). The weight-only runs are timed after all the
 others: the float weight copies they write slow the calls that follow for a while (by up to 1.7x).
 """
 
@@ -27,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from common import machine
 
-from jaxspec.models.llama import int8_matmul, small_rows_matmul
+from jaxspec import native
+from jaxspec.models.llama import SMALL_ROWS, int8_matmul, small_rows_matmul
 from jaxspec.quant import quantize_weight
 
 LAYER = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out) of q/k/v, o, gate/up, down
@@ -125,17 +127,19 @@ def int8_table(ws, args, rng):
     gb = sum(w.nbytes for w in ws) / 1e9
     print(f"{args.layers} layers of SmolLM2-135M-shaped weights: float32 {gb:.2f} GB, int8 {gb / 4:.2f} GB")
     print(
-        "| rows | f32 in-major ms | f32 out-major ms | int8 weight-only ms | w8a8_int8 ms | w8a8, one row unpadded ms |"
+        "| rows | f32 in-major ms | f32 out-major ms | int8 weight-only ms | w8a8_int8 (XLA int8 dot) ms "
+        "| w8a8, one row unpadded ms | w8a8_int8 native kernel ms |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     f_in, f_out = run_layers(lambda x, w: x @ w), run_layers(small_rows_matmul)
 
-    def scaled(mm):
+    def scaled(mm, in_axis=0):
         @jax.jit
         def f(x, qs, scales):
             for q, s in zip(qs, scales):
-                if x.shape[-1] != q.shape[0]:
-                    x = jnp.tile(x, (1, -(-q.shape[0] // x.shape[-1])))[:, : q.shape[0]]
+                din = q.shape[in_axis]
+                if x.shape[-1] != din:
+                    x = jnp.tile(x, (1, -(-din // x.shape[-1])))[:, :din]
                 x = mm(x, q, s)
             return x
 
@@ -143,6 +147,8 @@ def int8_table(ws, args, rng):
 
     f_wo = scaled(lambda x, q, s: (x @ q.astype(x.dtype)) * s)
     f_w8, f_raw = scaled(int8_matmul), scaled(int8_dot_unpadded)
+    f_nat = scaled(lambda x, q, s: int8_matmul(x, q, s, out_major=True), in_axis=1)
+    qs_out = [jnp.asarray(np.ascontiguousarray(np.asarray(q).T)) for q in qs]
     xs = {rows: jnp.asarray(rng.standard_normal((rows, 576)).astype(np.float32)) for rows in args.rows}
     times = {}
     for rows, x in xs.items():
@@ -153,13 +159,15 @@ def int8_table(ws, args, rng):
         }
         if rows == 1:
             fns["raw"] = (f_raw, (x, qs, scales))
+        if native.available() and rows <= SMALL_ROWS:
+            fns["nat"] = (f_nat, (x, qs_out, scales))
         times[rows] = alternate(fns, args.calls)
     # last, and apart: the float weight copies it writes (0.4 GB a call) slow other calls for a while
     for rows, x in xs.items():
         times[rows] |= alternate({"wo": (f_wo, (x, qs, scales))}, args.calls)
     for rows, t in times.items():
-        raw = f"{t['raw']:.2f}" if "raw" in t else "–"
-        print(f"| {rows} | {t['in']:.2f} | {t['out']:.2f} | {t['wo']:.2f} | {t['w8']:.2f} | {raw} |")
+        raw, nat = (f"{t[k]:.2f}" if k in t else "–" for k in ("raw", "nat"))
+        print(f"| {rows} | {t['in']:.2f} | {t['out']:.2f} | {t['wo']:.2f} | {t['w8']:.2f} | {raw} | {nat} |")
 
 
 if __name__ == "__main__":

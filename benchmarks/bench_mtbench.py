@@ -2,7 +2,7 @@
 
     python benchmarks/bench_mtbench.py --draft EAGLE3=path/to/head [--draft EAGLE=path] \\
         [--questions 80] [--max-new-tokens 128] [--temperatures 0 1] [--batch-size 1] \\
-        [--attention-backend xla|pallas]
+        [--attention-backend xla|pallas] [--quantization int8|fp8|w8a8_int8]
 
 A draft given as ALGO:static (e.g. EAGLE3:static, the shipped head) runs with adaptive speculation
 off (its tree shape every round); otherwise adaptive speculation has its default (on for the
@@ -97,6 +97,7 @@ def main():
     ap.add_argument(
         "--attention-backend", default=None, help="xla or pallas for every engine (default: the platform's)"
     )
+    ap.add_argument("--quantization", default=None, help="int8, fp8 or w8a8_int8 for every engine's target and draft")
     ap.add_argument(
         "--compare-layouts",
         action="store_true",
@@ -114,6 +115,7 @@ def main():
         max_running_requests=args.batch_size,
         show_progress=False,
         attention_backend=args.attention_backend,
+        quantization=args.quantization,
     )
     configs = [("NONE", dict(speculative_algorithm="NONE"))]
     for d in args.draft:
@@ -145,7 +147,7 @@ def main():
     ids = [plain._encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in qs]
     print(f"machine: {machine()}")
     print(
-        f"SmolLM2-135M-Instruct float32, {len(ids)} MT-bench first turns, max {args.max_new_tokens} new tokens, "
+        f"SmolLM2-135M-Instruct float32{' ' + args.quantization if args.quantization else ''}, {len(ids)} MT-bench first turns, max {args.max_new_tokens} new tokens, "
         f"batch {args.batch_size}, attention backend {plain.backend}"
     )
     print(

@@ -17,7 +17,7 @@ import os
 
 import jax
 
-from jaxspec.default_model import cache_dir
+from jaxspec.paths import cache_dir
 
 logger = logging.getLogger("jaxspec")
 

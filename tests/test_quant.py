@@ -149,18 +149,38 @@ def test_w8a8_matmul_matches_an_integer_reference_and_is_batch_invariant():
         assert np.array_equal(part, y.reshape(14, 40)[:rows])
 
 
-def test_w8a8_kernels_stay_in_major(models):  # noqa: F811
+@pytest.mark.parametrize("native_kernel", [True, False])
+def test_w8a8_kernel_layout(models, monkeypatch, native_kernel):  # noqa: F811
     """On CPU float kernels are stored out-major [out, in] (models/llama.py:out_major); w8a8_int8
-    kernels stay [in, out], the layout XLA:CPU's int8 GEMM runs fastest."""
+    kernels too, the int8 LM head copy included, when the native int8 kernel is there (it reads
+    out-major weights), and otherwise [in, out], the layout XLA:CPU's int8 GEMM runs fastest. Both
+    decode alike (integer products are exact)."""
     import jax
 
-    def qkv_shape(eng):
-        return eng.params["layers"][0]["self_attn"]["qkv_proj"]["kernel"][...].shape
+    from jaxspec import native
+
+    if native_kernel and not native.available():  # compiles and registers it (a CPU with a C++ compiler)
+        pytest.skip("the native int8 kernel is not available here")
+    monkeypatch.setattr(native, "available", lambda: native_kernel)
+
+    def shapes(eng):
+        return eng.params["layers"][0]["self_attn"]["qkv_proj"]["kernel"][...].shape, eng.params["head_int8"]["kernel"][
+            ...
+        ].shape
 
     hidden = engine(models).cfg.hidden_size
-    f32, w8a8 = qkv_shape(engine(models)), qkv_shape(engine(models, quantization="w8a8_int8"))
-    assert w8a8[0] == hidden
-    assert f32[1 if jax.default_backend() == "cpu" else 0] == hidden
+    cpu = jax.default_backend() == "cpu"
+    f32 = engine(models).params["layers"][0]["self_attn"]["qkv_proj"]["kernel"][...].shape
+    assert f32[1 if cpu else 0] == hidden
+    eng = engine(models, quantization="w8a8_int8")
+    qkv, head = shapes(eng)
+    out_major = cpu and native_kernel
+    assert qkv[1 if out_major else 0] == hidden and head[1 if out_major else 0] == hidden
+    out = [r["output_ids"] for r in eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    monkeypatch.setattr(native, "available", lambda: not native_kernel)
+    other = engine(models, quantization="w8a8_int8")
+    assert shapes(other) != (qkv, head) or not cpu
+    assert [r["output_ids"] for r in other.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == out
 
 
 def _blockwise_fp8(w, bo: int, bi: int):

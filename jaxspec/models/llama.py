@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from jaxspec import native
 from jaxspec.attention import attention
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig, rope_inv_freq
@@ -54,7 +55,7 @@ class Linear(nnx.Module):
     def __call__(self, x):
         w = self.kernel[...]
         if self.act_int8:
-            y = int8_matmul(x, w, self.scale[...])
+            y = int8_matmul(x, w, self.scale[...], self.out_major)
             return y if self.bias is None else y + self.bias[...]
         if self.scale is not None:  # quantized weight: converted to x's dtype, then scaled per output column
             w = w.astype(x.dtype)
@@ -102,25 +103,33 @@ def small_rows_matmul(x, w, out_dtype=None):
     return jnp.sum(prod, -1).T.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype)
 
 
-def int8_matmul(x, w, w_scale):
-    """x [..., I] float times an int8 weight w [I, O] with per-column scales w_scale [O] -> [..., O] in
-    x's dtype, as w8a8_int8 runs it: each row of x is quantized to int8 with its own scale
-    (max |x| / 127), the product is accumulated exactly in int32 (|sum| <= I * 127^2 < 2^31 for
-    I < 133000), then scaled by both. The integer product does not depend on how rows are batched,
-    so a token gets the same output alone, in a batch or in a verification tree.
+def int8_matmul(x, w, w_scale, out_major: bool = False):
+    """x [..., I] float times an int8 weight w [I, O] (out_major: [O, I]) with per-column scales
+    w_scale [O] -> [..., O] in x's dtype, as w8a8_int8 runs it: each row of x is quantized to int8
+    with its own scale (max |x| / 127), the product is accumulated exactly in int32 (|sum| <=
+    I * 127^2 < 2^31 for I < 133000), then scaled by both. The integer product does not depend on
+    how rows are batched, so a token gets the same output alone, in a batch or in a verification tree.
 
-    One row is padded to two: XLA:CPU rewrites a one-row int8 dot into a multiply-and-reduce that is
-    10x slower than its int8 GEMM (benchmarks/RESULTS.md)."""
+    Out-major weights (XLA:CPU with the native kernel, see out_major) multiply up to SMALL_ROWS rows
+    by `jaxspec.native.int8_matmul`, more rows by XLA's int8 GEMM. In-major ones by XLA's int8 dot,
+    with one row padded to two: XLA:CPU rewrites a one-row int8 dot into a multiply-and-reduce that
+    is 10x slower than its int8 GEMM (benchmarks/RESULTS.md)."""
     lead, rows = x.shape[:-1], math.prod(x.shape[:-1])
     x2 = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
-    if rows == 1:
+    native_rows = out_major and rows <= SMALL_ROWS
+    if rows == 1 and not native_rows:
         x2 = jnp.concatenate([x2, x2])
     amax = jnp.max(jnp.abs(x2), axis=-1, keepdims=True)
     x_scale = jnp.where(amax > 0, amax / 127.0, 1.0)
     xq = jnp.clip(jnp.round(x2 / x_scale), -127, 127).astype(jnp.int8)
-    acc = jax.lax.dot(xq, w, preferred_element_type=jnp.int32)
+    if native_rows:
+        acc = native.int8_matmul(xq, w)
+    elif out_major:
+        acc = jax.lax.dot_general(xq, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    else:
+        acc = jax.lax.dot(xq, w, preferred_element_type=jnp.int32)
     y = acc.astype(jnp.float32) * x_scale * w_scale.astype(jnp.float32)
-    return y[:rows].reshape(*lead, w.shape[-1]).astype(x.dtype)
+    return y[:rows].reshape(*lead, acc.shape[-1]).astype(x.dtype)
 
 
 def split_shards(y, shards: int, sizes: tuple[int, ...]) -> list:
@@ -306,14 +315,21 @@ def out_major(model: nnx.Module) -> nnx.Module:
     """In place, for inference on XLA:CPU with one device (after fuse_projections and quantization):
     every attention and MLP kernel of `model` (a target, or a draft built from these layers) is
     stored [out, in], and a tied LM head computes few-row logits the same way (small_rows_matmul).
-    LM head kernels of their own stay [in, out] (drafts read them directly), and so do w8a8_int8
-    kernels (int8_matmul: XLA:CPU's int8 GEMM is fastest in-major). Returns `model`."""
-    for _, m in list(nnx.iter_graph(model)):
+    LM head kernels of their own stay [in, out] (drafts read them directly). w8a8_int8 kernels,
+    the int8 LM head copy included, go out-major for the native int8 kernel (jaxspec.native) when
+    it is available, and otherwise stay [in, out], the layout XLA:CPU's int8 GEMM runs fastest.
+    Returns `model`."""
+    nodes = list(nnx.iter_graph(model))
+    int8_too = any(isinstance(m, Linear) and m.act_int8 for _, m in nodes) and native.available()
+    for _, m in nodes:
+        lins = []
         if isinstance(m, LlamaForCausalLM):
             m.out_major = True
+            lins = [m.head_int8] if m.head_int8 is not None else []
         if isinstance(m, (Attention, MLP)):
-            for _, lin in list(nnx.iter_graph(m)):
-                if isinstance(lin, Linear) and not lin.out_major and not lin.act_int8:
-                    lin.kernel = nnx.Param(lin.kernel[...].T)
-                    lin.out_major = True
+            lins = [lin for _, lin in nnx.iter_graph(m) if isinstance(lin, Linear)]
+        for lin in lins:
+            if not lin.out_major and (int8_too or not lin.act_int8):
+                lin.kernel = nnx.Param(lin.kernel[...].T)
+                lin.out_major = True
     return model
