@@ -12,7 +12,9 @@ questions' second turns, teacher-forced with prompt_logprobs) relative to float3
 Configurations: f32, bf16 (dtype), int8 / fp8 (weights of every linear layer but the LM head,
 float32 activations), w8a8 (`w8a8_int8`: int8 weights and per-token int8 activations, integer
 matmuls), int8+draft / w8a8+draft (the quantized target with the shipped EAGLE-3 draft, quantized
-the same way), int8+draft-unquant (the draft left in float32), f32+draft (the reference for those).
+the same way, static at its tree shape), w8a8+adaptive (the same with adaptive speculation on, as
+`jaxspec serve` runs the shipped draft by default), int8+draft-unquant (the draft left in float32),
+f32+draft (the reference for those).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ CONFIGS = {
         speculative_draft_model_quantization="unquant",
     ),
     "w8a8+draft": dict(quantization="w8a8_int8", speculative_algorithm="EAGLE3", speculative_adaptive=False),
+    # the shipped draft as `jaxspec serve` runs it by default: adaptive speculation on
+    "w8a8+adaptive": dict(quantization="w8a8_int8", speculative_algorithm="EAGLE3"),
 }
 
 

@@ -158,13 +158,20 @@ def test_kernels_return_the_log_sum_exp():
         assert np.all(np.isneginf(np.asarray(row_lse[0]))) and not np.any(np.asarray(o[0]))  # kv_len 0
 
 
-SPLIT_CASES = [(8, 3, jnp.float32), (16, 4, jnp.bfloat16), (1, 1, jnp.float32), (64, 8, jnp.bfloat16)]
+# make test runs the first two; make test-all all four
+SPLIT_CASES = [
+    pytest.param(n, g, d, id=f"N{n}-G{g}-{jnp.dtype(d).name}", marks=[pytest.mark.slow] if slow else [])
+    for n, g, d, slow in [
+        (8, 3, jnp.float32, False),
+        (16, 4, jnp.bfloat16, False),
+        (1, 1, jnp.float32, True),
+        (64, 8, jnp.bfloat16, True),
+    ]
+]
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
-@pytest.mark.parametrize(
-    "n,group,dtype", SPLIT_CASES, ids=[f"N{n}-G{g}-{jnp.dtype(d).name}" for n, g, d in SPLIT_CASES]
-)
+@pytest.mark.parametrize("n,group,dtype", SPLIT_CASES)
 def test_decode_mode_matches_the_one_pass_reference(backend, n, group, dtype):
     """--speculative-attention-mode decode: verification trees (empty prefix, ragged, ending at the
     cache's last column) and causal extend blocks at an offset give the one-pass result."""

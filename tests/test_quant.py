@@ -168,9 +168,9 @@ def test_w8a8_kernel_layout(models, monkeypatch, native_kernel):  # noqa: F811
             ...
         ].shape
 
-    hidden = engine(models).cfg.hidden_size
-    cpu = jax.default_backend() == "cpu"
-    f32 = engine(models).params["layers"][0]["self_attn"]["qkv_proj"]["kernel"][...].shape
+    f32_engine = engine(models)
+    hidden, cpu = f32_engine.cfg.hidden_size, jax.default_backend() == "cpu"
+    f32 = f32_engine.params["layers"][0]["self_attn"]["qkv_proj"]["kernel"][...].shape
     assert f32[1 if cpu else 0] == hidden
     eng = engine(models, quantization="w8a8_int8")
     qkv, head = shapes(eng)
@@ -281,13 +281,20 @@ WEIGHT_ONLY_CT = {
     "config_groups": {"group_0": {**W8A8_CT["config_groups"]["group_0"], "input_activations": None}},
 }
 INT8_FORMATS = [
-    ("sglang-w8a8", {"quant_method": "w8a8_int8"}, "w8a8_int8", False),
-    ("compressed-tensors-w8a8", W8A8_CT, "w8a8_int8", True),
-    ("compressed-tensors-weight-only", WEIGHT_ONLY_CT, "int8", True),
+    pytest.param("sglang-w8a8", {"quant_method": "w8a8_int8"}, "w8a8_int8", False, id="sglang-w8a8"),
+    pytest.param("compressed-tensors-w8a8", W8A8_CT, "w8a8_int8", True, id="compressed-tensors-w8a8"),
+    pytest.param(
+        "compressed-tensors-weight-only",
+        WEIGHT_ONLY_CT,
+        "int8",
+        True,
+        id="compressed-tensors-weight-only",
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
-@pytest.mark.parametrize("name,qcfg,mode,ct", INT8_FORMATS, ids=[f[0] for f in INT8_FORMATS])
+@pytest.mark.parametrize("name,qcfg,mode,ct", INT8_FORMATS)
 def test_int8_checkpoint_loads_with_its_own_weights(models, tmp_path, name, qcfg, mode, ct):  # noqa: F811
     """Checkpoints in the public int8 layouts, written here with torch from their tensor names: int8
     `weight` [out, in] with a per-output-channel `weight_scale` [out, 1] (absmax / 127; bfloat16 and
