@@ -193,7 +193,10 @@ def split_attention(q, k, v, prefix_len, local_mask, offset, backend, kv_shardin
         local_mask = jnp.broadcast_to(jnp.arange(w)[None, :] <= offset + jnp.arange(t)[:, None], (b, t, w))
     # [B, T, Hkv, G, D] -> [B, Hkv * T * G, D]: one decode query "head" per (row, head) pair
     qf = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv * t * g, d)
-    if backend == "pallas" and _tree.supported(q, k) is None:
+    reason = _tree.supported(q, k) if backend == "pallas" else None
+    if reason is not None:
+        _warn_fallback(reason)
+    if backend == "pallas" and reason is None:
         if kv_sharding is None:
             o_p, lse_p = _decode.decode_attention(
                 qf, k, v, prefix_len, interpret=jax.default_backend() != "gpu", return_lse=True

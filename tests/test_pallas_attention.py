@@ -275,11 +275,16 @@ def test_engine_pallas_backend_token_identical(models, algo, draft, knobs, caplo
     assert outs["pallas"] == outs["xla"]
 
 
+# off a GPU the pallas kernels run interpreted: slow (make test-all); tp = 2 on pallas runs in test_tp.py
 @pytest.mark.parametrize(
-    "algo,draft,knobs",
-    [("EAGLE3", "eagle3", (3, 4, 8)), pytest.param("STANDALONE", "small", (3, 2, 6), marks=pytest.mark.slow)],
+    "algo,draft,knobs,backends",
+    [
+        ("EAGLE3", "eagle3", (3, 4, 8), ("xla",)),
+        pytest.param("EAGLE3", "eagle3", (3, 4, 8), ("pallas",), marks=pytest.mark.slow),
+        pytest.param("STANDALONE", "small", (3, 2, 6), ("xla", "pallas"), marks=pytest.mark.slow),
+    ],
 )
-def test_engine_decode_attention_mode_token_identical(models, algo, draft, knobs):
+def test_engine_decode_attention_mode_token_identical(models, algo, draft, knobs, backends):
     """--speculative-attention-mode decode on both backends: greedy output equal to plain decoding."""
     from jaxspec.engine import Engine
 
@@ -296,7 +301,7 @@ def test_engine_decode_attention_mode_token_identical(models, algo, draft, knobs
         speculative_num_draft_tokens=n,
         speculative_attention_mode="decode",
     )
-    for backend in ("xla", "pallas"):
+    for backend in backends:
         eng = Engine(models["target"], attention_backend=backend, **kw, **spec)
         assert eng.spec.attention_mode == "decode" and eng.proposer.extend_backend == f"{backend}:decode"
         out = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)

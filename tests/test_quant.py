@@ -38,7 +38,9 @@ def test_scales_split_like_the_bias_under_tensor_parallelism():
     assert param_spec(("lm_head", "kernel"), (64, 96), 2) == P(None, "tp")
 
 
-@pytest.mark.parametrize("mode", ["int8", "w8a8_int8", pytest.param("fp8", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "mode", [pytest.param("int8", marks=pytest.mark.slow), "w8a8_int8", pytest.param("fp8", marks=pytest.mark.slow)]
+)
 def test_quantized_target_close_and_speculation_lossless(models, mode):  # noqa: F811
     ref = engine(models)
     q = engine(models, quantization=mode)
