@@ -66,7 +66,7 @@ UNSUPPORTED_QUANT = ("gptq", "awq", "marlin", "bitsandbytes", "aqlm", "hqq", "ex
 def checkpoint_quantization(config: dict) -> str | None:
     """The `--quantization` mode a checkpoint's quantization_config describes (its weights are read
     back dequantised by `_dequantize`, and the engine serves them in this mode unless told otherwise):
-      quant_method fp8 / fbgemm_fp8                               -> "fp8"
+      quant_method fp8 / fbgemm_fp8, or modelopt with quant_algo FP8 -> "fp8"
       quant_method w8a8_int8 (SGLang's)                           -> "w8a8_int8"
       quant_method compressed-tensors (llm-compressor), 8-bit int -> "w8a8_int8" with int8 input
         activations, else "int8"; 8-bit float -> "fp8"
@@ -75,7 +75,7 @@ def checkpoint_quantization(config: dict) -> str | None:
     if not qc:
         return None
     method = str(qc.get("quant_method", "")).lower()
-    if method in ("fp8", "fbgemm_fp8"):
+    if method in ("fp8", "fbgemm_fp8") or (method == "modelopt" and str(qc.get("quant_algo", "")).upper() == "FP8"):
         return "fp8"
     if method == "w8a8_int8":
         return "w8a8_int8"

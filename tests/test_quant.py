@@ -357,10 +357,12 @@ def test_unsupported_quantized_checkpoints_are_clear_errors(models, tmp_path):  
 
     assert checkpoint_quantization({}) is None
     assert checkpoint_quantization({"quantization_config": {"quant_method": "FP8"}}) == "fp8"
+    assert checkpoint_quantization({"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8"}}) == "fp8"
     for qc, match in [
         ({"quant_method": "gptq", "bits": 4}, "'gptq' \\(a 4-bit or calibrated format\\) is not supported"),
         ({"quant_method": "awq"}, "'awq'"),
         ({"quant_method": "mystery"}, "load the unquantized model and pass --quantization"),
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "'modelopt' is not supported"),
         (
             {**W8A8_CT, "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
             "4 bits, type int, strategy group are not supported",
