@@ -224,15 +224,9 @@ def _local_attention(q, k, v, prefix_len, local_mask):
     kl, vl = jnp.take_along_axis(k, cols, axis=1), jnp.take_along_axis(v, cols, axis=1)  # [B, W, Hkv, D]
     qg = q.reshape(b, t, hkv, h // hkv, d)
     scores = jnp.einsum("btkgd,bwkd->btkgw", qg, kl, preferred_element_type=jnp.float32) * d**-0.5
-    vis = local_mask[:, :, None, None, :]
-    m = jnp.max(jnp.where(vis, scores, -jnp.inf), axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(vis, jnp.exp(scores - m), 0.0)
-    den = p.sum(axis=-1)  # [B, T, Hkv, G]
+    p, den, lse = _decode.softmax_parts(scores, local_mask[:, :, None, None, :])  # den, lse: [B, T, Hkv, G]
     out = jnp.einsum("btkgw,bwkd->btkgd", p.astype(v.dtype), vl, preferred_element_type=jnp.float32)
-    out = out / jnp.where(den > 0, den, 1.0)[..., None]
-    lse = jnp.where(den > 0, m[..., 0] + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
-    return out.reshape(b, t, h, d), lse.reshape(b, t, h)
+    return (out / den[..., None]).reshape(b, t, h, d), lse.reshape(b, t, h)
 
 
 def _decode_sharded(kv_sharding, qf, k, v, prefix_len):

@@ -22,6 +22,20 @@ import jax.numpy as jnp
 from pallas_kernels.tree_attention import tree_attention
 
 
+def softmax_parts(scores, vis):
+    """A masked softmax over the last axis, in the pieces a merge of several parts needs.
+    scores [..., S] float32, vis bool broadcastable to it -> (p [..., S]: exp(scores - max) where
+    visible, else 0; den [...]: the sum of p, 1 where nothing is visible; lse [...]: the
+    log-sum-exp of the visible scores, -inf where nothing is visible). The softmax is p / den."""
+    m = jnp.max(jnp.where(vis, scores, -jnp.inf), axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(vis, jnp.exp(scores - m), 0.0)
+    den = p.sum(axis=-1)
+    seen = den > 0
+    den = jnp.where(seen, den, 1.0)
+    return p, den, jnp.where(seen, m[..., 0] + jnp.log(den), -jnp.inf)
+
+
 def decode_attention_reference(q, k, v, kv_len, *, sliding_window=None, scale=None, return_lse=False):
     """Pure jnp. q: [B, H, D]; k, v: [B, S, Hkv, D]; kv_len: [B] int32, the visible columns [0, kv_len)
     (the query's own KV is the last of them). Returns [B, H, D] in q.dtype; softmax in float32. With
@@ -36,16 +50,11 @@ def decode_attention_reference(q, k, v, kv_len, *, sliding_window=None, scale=No
     vis = col < kv_len[:, None]  # [B, S]
     if sliding_window is not None:
         vis &= col >= kv_len[:, None] - sliding_window
-    vis = vis[:, None, None]
-    m = jnp.max(jnp.where(vis, scores, -jnp.inf), axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(vis, jnp.exp(scores - m), 0.0)
-    den = p.sum(axis=-1)  # [B, Hkv, G]
+    p, den, lse = softmax_parts(scores, vis[:, None, None])  # den, lse: [B, Hkv, G]
     out = jnp.einsum("bkgs,bskd->bkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out = (out / jnp.where(den > 0, den, 1.0)[..., None]).reshape(b, h, d)
+    out = (out / den[..., None]).reshape(b, h, d)
     if not return_lse:
         return out.astype(q.dtype)
-    lse = jnp.where(den > 0, m[..., 0] + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
     return out, lse.reshape(b, h)
 
 

@@ -29,7 +29,6 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxspec.paths import cache_dir
 
@@ -105,8 +104,3 @@ def int8_matmul(xq, w):
     """xq [R, I] int8 times an out-major int8 weight w [O, I] -> [R, O] int32 (exact), on one thread.
     (Two calls over halves of the columns ran no faster: XLA:CPU did not run them at once.)"""
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((xq.shape[0], w.shape[0]), jnp.int32))(xq, w)
-
-
-def reference(xq, w):
-    """The same product in numpy (tests)."""
-    return np.asarray(xq, np.int32) @ np.asarray(w, np.int32).T
