@@ -365,7 +365,11 @@ class Engine:
         if grammars is not None and any(g is not None for g in grammars):
             handles = [-1 if g is None else self.open_grammar(g) for g in grammars]
         try:
-            return self._run_batch_with(ids, params, spec_on, lp, handles)
+            out = self._run_batch_with(ids, params, spec_on, lp, handles)
+            why = [w for w in (grammar.rejection(h) for h in handles or []) if w is not None]
+            if why:  # never return output that breaks its grammar
+                raise JaxspecError(f"internal error: {why[0]}")
+            return out
         finally:
             for h in handles or []:
                 grammar.close_handle(h)

@@ -214,7 +214,9 @@ class _Entry:
     def __init__(self, matcher, tokenizer=None):
         self.matcher = matcher
         self.tokenizer = tokenizer  # llguidance's LLTokenizer, for forced_token
+        self.eos = frozenset(tokenizer.eos_tokens) if tokenizer is not None else frozenset()
         self.consumed = 0  # output tokens the matcher has consumed
+        self.error: str | None = None  # why the matcher refused an emitted token (a bug: see advance)
         self.lock = threading.Lock()
 
     def forced_token(self, mask_row) -> int:
@@ -232,16 +234,25 @@ class _Entry:
         return t if (int(mask_row[t // WORD]) >> (t % WORD)) & 1 else -1
 
     def advance(self, tokens, upto: int, first: int) -> None:
-        """Consumes output tokens [consumed, upto); tokens[i] is output token first + i."""
-        if upto <= self.consumed:
+        """Consumes output tokens [consumed, upto); tokens[i] is output token first + i.
+
+        Every emitted token was allowed by a mask of this matcher, so a refusal is a bug: it is
+        logged and kept in `error`, and the server fails the request rather than return output
+        that breaks its grammar. One case is not a refusal: a grammar that cannot be extended
+        (a closed JSON object, a regex at its longest) stops its matcher as soon as its last token
+        is consumed, and llguidance then refuses the EOS that its mask allowed, unless both came
+        in one call. Where the two tokens arrive depends on how rounds fall into program calls."""
+        if upto <= self.consumed or self.error is not None:
             return
         if self.consumed < first or upto - first > len(tokens):  # would mean a missed sync: never silent
-            logger.error(
-                "grammar matcher at token %d cannot see tokens %d..%d: masks are stale", self.consumed, first, upto
-            )
+            self.error = f"the matcher at token {self.consumed} cannot see tokens {first}..{upto}: masks are stale"
+            logger.error("grammar %s", self.error)
             return
-        if not self.matcher.consume_tokens([int(t) for t in tokens[self.consumed - first : upto - first]]):
-            logger.error("grammar matcher rejected an emitted token: %s", self.matcher.get_error())
+        toks = [int(t) for t in tokens[self.consumed - first : upto - first]]
+        if not (self.matcher.is_stopped() and all(t in self.eos for t in toks)):
+            if not self.matcher.consume_tokens(toks):
+                self.error = f"the grammar matcher rejected an emitted token: {self.matcher.get_error()}"
+                logger.error("%s (tokens %s at output position %d)", self.error, toks, self.consumed)
         self.consumed = upto
 
 
@@ -262,6 +273,13 @@ def open_handle(matcher, tokenizer=None) -> int:
 def close_handle(h: int) -> None:
     with _lock:
         _entries.pop(h, None)
+
+
+def rejection(h: int) -> str | None:
+    """Why the matcher behind handle h refused an emitted token (None: it never did, or h is
+    unknown). Read it once the programs that advance the matcher have returned."""
+    e = _entries.get(h)
+    return None if e is None else e.error
 
 
 def _on_host(fn):

@@ -702,6 +702,12 @@ def prometheus_text(sched: Scheduler, model: str) -> str:
         ),
         ("num_recoveries_total", "counter", "times the device state was lost and re-created", st.recoveries),
         (
+            "num_grammar_rejections_total",
+            "counter",
+            "constrained requests failed because their grammar refused an emitted token (a bug)",
+            st.grammar_rejections,
+        ),
+        (
             "num_compiles_on_demand_total",
             "counter",
             "device programs a request had to wait for (none compiled covered it)",

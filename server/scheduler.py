@@ -170,6 +170,7 @@ class Stats:
     rejected: int = 0
     failed: int = 0  # requests ended by an internal error (the server kept running)
     recoveries: int = 0  # times the device state was lost and re-created
+    grammar_rejections: int = 0  # constrained requests failed because their matcher refused an emitted token
     prompt_tokens: int = 0
     prefill_tokens: int = 0  # prompt tokens prefilled (not cached; padding not counted)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
@@ -340,6 +341,7 @@ class Scheduler:
                 return
             req.cancelled = True
             self.stats.aborted += 1
+            self._close_grammar(req)
             if req in self.waiting:
                 self.waiting.remove(req)
             elif req.decoding and self.busy.get(req.slot) is req:
@@ -497,6 +499,7 @@ class Scheduler:
                 del self.busy[r.slot]
             if not r.cancelled:
                 self.stats.failed += 1
+            self._close_grammar(r)
         r.send({"type": "error", "message": message})
 
     def run_until_idle(self) -> None:
@@ -903,6 +906,13 @@ class Scheduler:
         """r's next tokens from a device call (lps: their logprobs, when fetched)."""
         if r.finished or r.cancelled:
             return
+        why = grammar.rejection(r.handle) if r.handle >= 0 else None
+        if why is not None:  # never stream output that breaks its grammar: fail the request instead
+            with self.lock:
+                self.stats.grammar_rejections += 1
+            logger.error("request %s failed: %s", r.rid, why)
+            self._fail(r, f"internal error: {why}")
+            return
         base = len(r.out_ids)
         r.out_ids += toks
         if r.top_logprobs is not None:
@@ -954,10 +964,7 @@ class Scheduler:
     def _finish(self, r: Request, reason: dict) -> None:
         """(lock held) Final event for a request."""
         r.finished = True
-        if r.handle >= 0:
-            grammar.close_handle(r.handle)
-            self._slot_handle.pop(r.slot, None)
-            r.handle = -1
+        self._close_grammar(r)
         st = self.stats
         if reason["type"] != "abort":
             st.finished += 1
@@ -974,6 +981,15 @@ class Scheduler:
                 self.cached[r.slot] = toks
                 self._used[r.slot] = time.perf_counter()
         r.send({"type": "done", "result": self.result(r, reason)})
+
+    def _close_grammar(self, r: Request) -> None:
+        """(lock held) Drops a finished request's matcher (its slot may still run a dispatch with
+        the handle: an unknown handle masks nothing, and the slot is stopped)."""
+        if r.handle >= 0:
+            grammar.close_handle(r.handle)
+            if self._slot_handle.get(r.slot) == r.handle:
+                del self._slot_handle[r.slot]
+            r.handle = -1
 
     def _ngram_add(self, r: Request) -> None:
         self.eng.feed_ngram_corpus([list(r.ids) + list(r.out_ids)])

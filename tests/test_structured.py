@@ -275,6 +275,22 @@ def test_bad_constraints_are_400(server, body, match):
     assert re.search(match, out["error"]["message"]), out
 
 
+def test_a_refused_token_fails_the_request_loudly(server, monkeypatch):
+    """Should a matcher ever refuse an emitted token (a bug), the request fails with a 500 and a
+    logged reason, counted in /metrics, rather than return output that breaks its grammar."""
+    from jaxspec import grammar
+
+    monkeypatch.setattr(grammar, "rejection", lambda h: "the grammar matcher rejected an emitted token: (test)")
+    status, out, _ = _chat(server, regex=REGEX)
+    assert status == 500 and "rejected an emitted token" in out["error"]["message"], out
+    assert server.sched.stats.grammar_rejections == 1
+    status, text, _ = server.request("GET", "/metrics")
+    assert re.search(r"num_grammar_rejections_total\{[^}]*\} 1", text), text
+    monkeypatch.undo()
+    status, out, _ = _chat(server, regex=REGEX)  # the server goes on
+    assert status == 200 and re.fullmatch(REGEX, out["choices"][0]["message"]["content"])
+
+
 WEATHER = {
     "type": "function",
     "function": {
@@ -367,6 +383,42 @@ def test_objects_with_properties_are_closed_by_default(model_dirs):  # noqa: F81
     # an allOf that merges two objects keeps both sides open (closing one would forbid the other's fields)
     merged = {"$defs": {"A": {"properties": {"a": {}}}}, "allOf": [{"$ref": "#/$defs/A"}, {"properties": {"b": {}}}]}
     assert closed_objects(merged) == merged
+
+
+def test_matcher_bookkeeping_takes_eos_after_a_finished_grammar(model_dirs):  # noqa: F811
+    """The matcher consumes emitted tokens in whatever pieces the program calls deliver them. A
+    grammar that cannot be extended (a regex at its longest, a closed JSON object) stops its matcher
+    at its last token, and llguidance refuses the EOS its own mask allowed when the EOS comes in a
+    later call: that is not a rejection. A token the grammar forbids is one, kept for the server
+    to fail the request with."""
+    from transformers import AutoTokenizer
+
+    from jaxspec import grammar
+    from jaxspec.sampling import SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(model_dirs["target"])
+    grammars = _grammars(tok)
+    ids = tok.encode("red-1234", add_special_tokens=False)
+    eos = tok.eos_token_id
+    for cut in range(1, len(ids) + 1):  # [..cut] in one call, the rest (with the EOS) in another
+        h = grammars.open(grammars.check(SamplingParams(regex=REGEX)))
+        out = ids + [eos]
+        grammar._entries[h].advance(out, cut, 0)
+        grammar._entries[h].advance(out, len(out), 0)
+        assert grammar.rejection(h) is None, cut
+        grammar.close_handle(h)
+    h = grammars.open(grammars.check(SamplingParams(regex=REGEX)))
+    bad = tok.encode("purple", add_special_tokens=False)
+    grammar._entries[h].advance(bad, len(bad), 0)
+    assert "rejected an emitted token" in grammar.rejection(h)
+    grammar.close_handle(h)
+    assert grammar.rejection(h) is None  # closed: unknown
+
+
+def _grammars(tok):
+    from jaxspec.grammar import Grammars
+
+    return Grammars(tok, len(tok), [tok.eos_token_id])
 
 
 def test_tool_output_parsing():
