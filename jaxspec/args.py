@@ -197,7 +197,8 @@ class SpeculativeArgs:
     speculative_adaptive: bool | None = flag(
         None,
         "choose per block of rounds (server: per dispatch) among the tree shape, a shallower one and no "
-        "speculation, from measured round cost and acceptance (unset: on for the shipped drafts)",
+        "speculation, from measured round cost and acceptance (unset: on for the shipped drafts at their shipped "
+        "tree shape, off when --speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens are given)",
     )
     speculative_ngram_min_match_window_size: int = flag(1, "NGRAM: shortest suffix match used")
     speculative_ngram_max_match_window_size: int = flag(12, "NGRAM: longest suffix match tried")
@@ -348,8 +349,9 @@ class ServerArgs:
     disable_overlap_schedule: bool = flag(False, "fetch each dispatch's results before enqueuing the next")
     cuda_graph_max_bs: int | None = flag(
         None,
-        "at start-up, compile decoding for batch sizes 1, 2, 4, .. up to this at KV spans up to 512 (default: 8 on GPU, "
-        "2 on CPU; at most the slots); larger shapes are covered by the largest programs until the background compile reaches them",
+        "at start-up, compile decoding at every KV span for batch sizes 1, 2, 4, .. up to this and for all the slots "
+        "(default: 8 on GPU, 1 on CPU); other batch sizes run the next larger program until the background compile "
+        "reaches them",
     )
     enable_torch_compile: bool = flag(
         False, "accepted for SGLang compatibility: every jaxspec program is compiled by XLA ahead of use anyway"

@@ -313,7 +313,11 @@ class SpecConfig:
                     cap,
                 )
             num_draft_tokens = cap
-        adaptive = shipped_tree is not None if a.speculative_adaptive is None else a.speculative_adaptive
+        # unset: on for a shipped draft run at its shipped shape; a shape the user set is the shape run
+        explicit = a.tree_knobs[0] is not None
+        adaptive = (
+            shipped_tree is not None and not explicit if a.speculative_adaptive is None else a.speculative_adaptive
+        )
         return cls(
             algo,
             draft_model_path,

@@ -5,7 +5,7 @@ compiled dispatches (continuous batching). The host side (queue, streaming, HTTP
     batch = admit_chunk(..., batch, rows, tokens, ...)    # prefill new requests into free slots
     batch, first = admit_finish(..., batch, rows, ...)    # their first token + per-slot parameters
     batch, outs = dispatch(..., batch, kill, k=..., n_act=..., span=...)   # k rounds for slots [0, n_act)
-    batch = copy_prefix(batch, src, dst, length, span=...)  # prefix caching: a slot's KV columns into another
+    batch = copy_prefix(batch, src, dst, length)  # prefix caching: a slot's KV columns into another
 
 Shapes are static per program: `n` (admitted requests, bucketed), the prefill chunk, `n_act`
 (a power of two covering the highest busy slot; the host fills low slots first) and `span`
@@ -148,22 +148,36 @@ class SlotBatch:
         return dataclasses.replace(rest, core=dataclasses.replace(rest.core, cache=cache))
 
 
-@functools.partial(jax.jit, static_argnames=("span",), donate_argnames=("batch",))
-def copy_prefix(batch: SlotBatch, src, dst, length, span: int) -> SlotBatch:
-    """Copies columns [0, span) of slot `src` into slot `dst` (scalars int32) in every per-column
+COPY_BLOCK = 64  # columns copy_prefix moves per loop iteration
+
+
+@functools.partial(jax.jit, donate_argnames=("batch",))
+def copy_prefix(batch: SlotBatch, src, dst, length) -> SlotBatch:
+    """Copies columns [0, length) of slot `src` into slot `dst` (scalars int32) in every per-column
     array of the target's and the draft's caches (KV buffers [B, S, Hkv, D], NGRAM's token history
     [B, S]), and sets dst's cache lengths to `length` (the columns reused): until its prefill
     starts, dispatches that stop dst (it is not decoding) write only past them. Every other
     per-slot field is left to the prefill that follows. Prefix caching: a new request reuses the
-    KV of a prompt prefix computed in another slot."""
+    KV of a prompt prefix computed in another slot. The copy runs COPY_BLOCK columns at a time for
+    as many blocks as `length` needs (a loop of data-dependent length: one program for every
+    length, and columns past the prefix are neither read nor written, so on a CPU their pages
+    stay unallocated)."""
     core = batch.core
     cols = core.cache.max_len
+    blocks = (length + COPY_BLOCK - 1) // COPY_BLOCK
 
     def copy(x):
         if x.ndim < 2 or x.shape[1] != cols:
             return x
-        row = jax.lax.dynamic_slice_in_dim(x, src, 1, axis=0)[:, :span]
-        return jax.lax.dynamic_update_slice(x, row, (dst,) + (0,) * (x.ndim - 1))
+        size = (1, COPY_BLOCK) + x.shape[2:]
+
+        def block(i, x):
+            col = jnp.minimum(i * COPY_BLOCK, cols - COPY_BLOCK)
+            tail = (0,) * (x.ndim - 2)
+            part = jax.lax.dynamic_slice(x, (src, col) + tail, size)
+            return jax.lax.dynamic_update_slice(x, part, (dst, col) + tail)
+
+        return jax.lax.fori_loop(0, blocks, block, x)
 
     def fix(c):  # a cache (KVCache, NGRAM's history): its columns copied, dst's length set
         c = jax.tree_util.tree_map(copy, c)

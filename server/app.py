@@ -588,6 +588,7 @@ def create_app(
             "num_running_reqs": sched.running,
             "num_queue_reqs": sched.queue_depth,
             "memory_plan": dataclasses.asdict(sched.memory_plan),
+            "memory": sched.memory_report(),
         }
         return {
             **(server_args or {}),
@@ -596,6 +597,7 @@ def create_app(
             "speculative_num_steps": eng.spec.num_steps,
             "speculative_eagle_topk": eng.spec.eagle_topk,
             "speculative_num_draft_tokens": eng.spec.num_draft_tokens,
+            "speculative_adaptive": eng.spec.adaptive,
             "context_length": sched.context_length,
             "max_running_requests": sched.slots,
             "num_continuous_decode_steps": sched.k,

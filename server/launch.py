@@ -43,7 +43,7 @@ def build(args, progress: bool = True):
     )
     if not server.disable_cuda_graph:
         t = time.perf_counter()
-        default_bs = 2 if jax.devices()[0].platform == "cpu" else 8
+        default_bs = 1 if jax.devices()[0].platform == "cpu" else 8
         n = warmup(
             sched,
             server.cuda_graph_max_bs or default_bs,
@@ -78,6 +78,7 @@ def cmd_serve(args) -> int:
         "plain decoding"
         if not spec.enabled
         else f"{spec.algorithm} {spec.num_steps}/{spec.eagle_topk}/{spec.num_draft_tokens}"
+        + (" (adaptive: that tree, a shallower one or plain steps, per dispatch)" if spec.adaptive else " (static)")
     )
     print(
         f"jaxspec serve: {sched.slots} request slots x {sched.context_length} tokens, {desc}; "

@@ -1,11 +1,19 @@
 """How many request slots fit: device memory (host RAM on CPU) x --mem-fraction-static, minus the
-weights, divided by what one slot holds (its KV cache for the whole context, plus draft state)."""
+weights, divided by what one slot holds (its KV cache for the whole context, plus draft state).
+
+On a CPU the KV cache is host memory that a request only touches column by column, so its pages
+are handed back to the kernel while they hold nothing (`release_pages`): the process's resident
+memory then grows with the columns requests have written, not with slots x context. The other
+large share of a CPU server's memory is its compiled programs (tens of MB each, measured at
+start-up: `ProgramMemory`), which the server bounds by a budget (server/programs.py)."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -90,3 +98,95 @@ def plan_slots(
         logger.warning("--max-running-requests %d does not fit; serving %d slots (%s)", requested, slots, plan)
     logger.info("memory plan: %s -> %d slots", plan, slots)
     return MemoryPlan(total, where, w, per_slot, slots)
+
+
+def map_usage() -> tuple[int, int] | None:
+    """(memory maps this process holds, the kernel's limit), or None where /proc does not say."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            used = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            return used, int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+MADV_DONTNEED = 4  # Linux: anonymous private pages read back as zeros until written again
+
+
+def release_pages(arrays) -> int:
+    """Hands the whole memory pages inside each CPU array's buffer back to the kernel (Linux
+    madvise MADV_DONTNEED): they read as zeros again and take no memory until written. Only for
+    arrays whose contents do not matter or are zeros (free slots' KV caches); blocks until every
+    computation writing them is done. Returns the bytes released (0 where not supported)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    done = 0
+    for x in arrays:
+        jax.block_until_ready(x)
+        for shard in x.addressable_shards:
+            if shard.device.platform != "cpu":
+                return done
+            data = shard.data
+            ptr = data.unsafe_buffer_pointer()
+            start, end = -(-ptr // page) * page, (ptr + data.nbytes) // page * page
+            if (
+                end - start >= 16 * page
+                and libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) == 0
+            ):
+                done += end - start
+    return done
+
+
+def trim_heap() -> None:
+    """Returns the C heap's free memory to the kernel (glibc malloc_trim): an XLA compile leaves
+    tens of MB per program free but held in malloc's arenas."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def rss_bytes() -> int:
+    """The process's resident memory (0 where /proc does not say)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+@dataclasses.dataclass
+class ProgramMemory:
+    """What compiled programs take: measured over the start-up compiles (resident memory before and
+    after, the heap trimmed), and the budget background compiles stay within."""
+
+    budget_bytes: int  # compiled programs may take this much host memory in all
+    per_program: int = 0  # measured at start-up (0: not measured yet)
+    startup: int = 0  # programs compiled at start-up
+    background: int = 0  # programs compiled since
+
+    @property
+    def count(self) -> int:
+        return self.startup + self.background
+
+    @property
+    def bytes(self) -> int:
+        return self.count * self.per_program
+
+    def room(self) -> bool:
+        """Whether one more program fits the budget."""
+        return self.per_program == 0 or (self.count + 1) * self.per_program <= self.budget_bytes
+
+
+def program_budget() -> int:
+    """Host memory compiled programs may take: a tenth of host RAM, at most 2.5 GiB."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(ram // 10, int(2.5 * 2**30))

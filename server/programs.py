@@ -4,7 +4,7 @@ The scheduler runs four programs (jaxspec/serving.py), each specialised on a few
 
   ("chunk", n, C, span)     admit_chunk: one prefill chunk of C tokens for n new requests
   ("finish", n)             admit_finish: their first tokens (its draft extension reads every column)
-  ("copy", span)            copy_prefix: a cached prompt prefix's KV columns [0, span) into a new
+  ("copy",)                 copy_prefix: a cached prompt prefix's KV columns into a new
                             request's slot (prefix caching)
   ("dispatch", n_act, span, sampled, shape, logprobs, grammar)
                             dispatch: k rounds for slots [0, n_act); sampled=False is a
@@ -15,18 +15,18 @@ The scheduler runs four programs (jaxspec/serving.py), each specialised on a few
                             logprobs=True also computes the emitted tokens' logprobs (for
                             requests that ask; it serves the others too, a little slower);
                             grammar=True masks tokens by constrained requests' grammars (host
-                            callbacks, jaxspec/grammar.py); only such dispatches use it, and it
-                            is compiled when the first constrained request arrives (the
-                            background compiles one at the largest shape)
+                            callbacks, jaxspec/grammar.py); only such dispatches use it
 
-`span` is how many KV columns attention reads. A program for a larger n_act, C or span than a call
-needs is still correct (extra slots are stopped, extra columns are masked, a chunk is zero-padded),
+`span` is how many KV columns attention reads: one of `spans()` (64, 256, 1024, .. up to the
+context on a CPU). A program for a larger n_act, C or span than a call needs is still correct (extra slots are stopped, extra columns are masked, a chunk is zero-padded),
 only slower, and a sampled=True dispatch serves greedy slots too (on CPU at no extra cost: its
 sampler is skipped for a call with no drawing slot, jaxspec/sampling.py SKIP_UNUSED, so there
 no greedy-only programs are compiled ahead). So no request has to wait for
 XLA: start-up compiles a *cover* set that serves any request within --context-length and
---max-running-requests (the short shapes exactly, the rest through the largest programs, all
-sampled=True, and one logprobs=True program at the largest shape), a background thread then
+--max-running-requests (`startup_keys`: prefill at every span, decoding at every span for one
+slot and for all of them, all sampled=True, one logprobs=True program at the largest shape, and two
+logprobs=True grammar=True programs for constrained requests, at the largest short span and the
+largest), a background thread then
 compiles every other shape (most useful first: with adaptive speculation, the twins of the
 start-up dispatches for its other candidates, then the greedy-only twins of the start-up
 dispatches; with the persistent compilation cache, a restart loads them from disk), and
@@ -35,6 +35,11 @@ another candidate only once a program of that candidate covers the call). A call
 larger program asks for its own (`want`; the scheduler asks for the configured shape's and plain
 steps'), which the background thread compiles before the rest of its list.
 Only with --disable-cuda-graph (nothing compiled ahead) does a call compile on first use.
+
+What programs cost: on a CPU each holds tens of MB of host memory and hundreds of memory maps
+(measured over the start-up set, server/memory.py ProgramMemory). The background compiles stop
+at a budget for their memory (a tenth of host RAM, at most 2.5 GiB) or at MAP_BUDGET of the
+kernel's memory-map limit, whichever comes first; the start-up set is always compiled.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ from jaxspec.cache import KVCache
 from jaxspec.requests import bucket
 from jaxspec.sampling import SamplingParams, SamplingTensors, skips_unused
 from jaxspec.serving import admit_chunk, admit_finish, copy_prefix, dispatch
+from jaxspec.speculative.adaptive import OFF
+from server.memory import ProgramMemory, map_usage, program_budget, trim_heap
 
 logger = logging.getLogger("jaxspec.server")
 
@@ -69,17 +76,6 @@ MAP_BUDGET = 0.7
 # span of a call that a larger program served; through the larger one, plain steps cost 5x as much
 # on a 2-core CPU) are compiled first, and past MAP_BUDGET up to this share.
 WANTED_BUDGET = 0.8
-
-
-def map_usage() -> tuple[int, int] | None:
-    """(memory maps this process holds, the kernel's limit), or None where /proc does not say."""
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            used = sum(1 for _ in f)
-        with open("/proc/sys/vm/max_map_count") as f:
-            return used, int(f.read())
-    except (OSError, ValueError):
-        return None
 
 
 def _spec(x):
@@ -143,16 +139,29 @@ class Programs:
         self.fresh: collections.deque = collections.deque()
         self.wanted: collections.deque = collections.deque()  # keys calls asked for (`want`), compiled first
         self._asked: set[tuple] = set()
+        self.memory = ProgramMemory(program_budget())  # what compiled programs take, and may
 
     # ---- shapes --------------------------------------------------------------------------------
 
     def spans(self) -> list[int]:
+        """The KV spans programs are compiled for: min_span times powers of four, then max_len (the
+        context plus the round's scratch columns), which replaces the span just below it when it
+        is within a quarter of it (a context of 8192 reads 8256 columns: one set of programs for
+        both, not two). Steps of four, not two: half as many programs, each a few tens of MB of
+        host memory on a CPU, for attention over at most 4x the columns a call needs (the weights,
+        read once per step whatever the span, dominate short spans)."""
         s = self.sched
         out, x = [], s.min_span
         while x < s.max_len:
             out.append(x)
-            x *= 2
+            x *= 4
+        if len(out) > 1 and s.max_len * 4 <= out[-1] * 5:
+            out.pop()
         return out + [s.max_len]
+
+    def span_for(self, need: int) -> int:
+        """The smallest of spans() that is >= need (max_len for anything longer)."""
+        return next((x for x in self.spans() if x >= need), self.sched.max_len)
 
     def sizes(self, up_to: int | None = None) -> list[int]:
         cap = min(up_to or self.sched.slots, self.sched.slots)
@@ -179,28 +188,27 @@ class Programs:
         return min(span, self.chunk_sizes()[-1])
 
     def startup_keys(self, max_bs: int) -> list[tuple]:
-        """The cover set: every prompt length's prefill exactly (for one request at a time),
-        decoding exactly at short spans for batch sizes up to max_bs, every other decoding shape
-        through the largest programs (n_act = 1 or slots, span = max_len). With prefix caching,
-        also the smallest chunk at every span (the uncached tail of a prompt whose prefix is
-        cached: a second turn, a shared system prompt) and the prefix copies."""
+        """The cover set: every prompt length's prefill (for one request at a time; the uncached
+        tail of a prompt whose prefix is cached too), decoding at every span for batch sizes 1, 2,
+        4, .. up to max_bs and for all the slots (a call of n_act slots runs the smallest of them
+        >= n_act), and with adaptive speculation plain steps for all the slots at spans up to 1024
+        (where a busy server turns speculation off). With prefix caching, the prefix copy."""
         s = self.sched
         spans = self.spans()
         short = [x for x in spans if x <= 512] or spans[:1]
         keys = [("finish", 1)] + [("chunk", 1, self.chunk_for(x), x) for x in spans]
         if s.prefix_cache:
-            keys += [("chunk", 1, self.chunk_sizes()[0], x) for x in spans]
-            keys += [("copy", x) for x in spans]
+            keys.append(("copy",))
         main = s.main_shape
-        for n in self.sizes(max_bs):
-            keys += [("dispatch", n, x, True, main, False, False) for x in short]
-        keys += [
-            ("dispatch", 1, s.max_len, True, main, False, False),
-            ("dispatch", s.slots, s.max_len, True, main, False, False),
-        ]
+        for n in sorted(set(self.sizes(max_bs)) | {s.slots}):
+            keys += [("dispatch", n, x, True, main, False, False) for x in spans]
+        if OFF in s.shapes and OFF != main:
+            keys += [("dispatch", s.slots, x, True, OFF, False, False) for x in spans if x <= 1024]
         keys.append(
             ("dispatch", s.slots, s.max_len, True, main, True, False)
         )  # covers every request asking for logprobs
+        if s.grammar:  # constrained requests (with or without logprobs): short ones, and every other
+            keys += [("dispatch", s.slots, x, True, main, True, True) for x in (short[-1], s.max_len)]
         return list(dict.fromkeys(keys))
 
     def background_keys(self) -> list[tuple]:
@@ -219,13 +227,13 @@ class Programs:
         others = [x for x in reversed(self.sched.shapes) if x != main]  # plain steps, then shallower trees
         twins = lambda ks: [k[:4] + (x,) + k[5:] for x in others for k in ks if k[0] == "dispatch"]
         keys = twins(startup) + greedy(startup)
-        if self.sched.grammar:  # one program serves every constrained request (at the largest shape)
-            keys.append(("dispatch", self.sched.slots, self.sched.max_len, True, main, False, True))
         rest = [("dispatch", 1, x, True, main, False, False) for x in spans]
         rest += [("dispatch", n, x, True, main, False, False) for x in spans for n in sizes]
         keys += rest
-        # tiny prompts under a large min span
+        # tiny prompts under a large min span; the smallest chunk at every span (cached prompts' tails)
         keys += [("chunk", 1, c, spans[0]) for c in self.chunk_sizes() if c < spans[0]]
+        if self.sched.prefix_cache:
+            keys += [("chunk", 1, self.chunk_sizes()[0], x) for x in spans]
         for n in sizes[1:]:
             keys.append(("finish", n))
             keys += [("chunk", n, self.chunk_for(x), x) for x in spans if x <= 512]
@@ -271,7 +279,7 @@ class Programs:
                 grammar=grammar,
             )
         if key[0] == "copy":
-            return copy_prefix.lower(self._batch_spec, sds((), i32), sds((), i32), sds((), i32), span=key[1])
+            return copy_prefix.lower(self._batch_spec, sds((), i32), sds((), i32), sds((), i32))
         if key[0] == "chunk":
             _, n, c, span = key
             return admit_chunk.lower(
@@ -320,6 +328,7 @@ class Programs:
                 self.compiles_ended += 1
         with self.lock:
             tbl[key] = prog
+        trim_heap()  # the compile's scratch memory goes back to the kernel
         return prog
 
     def compile_mark(self) -> tuple[int, int]:
@@ -419,14 +428,21 @@ class Programs:
     def start_background(self) -> None:
         """Compiles the keys calls `want`, then background_keys(), in a low-priority thread (stopped
         by stop()); once the list is done or past MAP_BUDGET, it keeps compiling wanted keys while
-        the process is under WANTED_BUDGET."""
+        the process is under WANTED_BUDGET. Nothing starts when the programs compiled so far fill
+        their memory budget already (logged)."""
         keys = collections.deque(self.background_keys())
+        if keys and not self.memory.room():
+            self._over_budget(len(keys))
+            return
         self.background_total = listed = len(keys)
         t = time.perf_counter()
 
         def next_key():
             """The next key to compile (None: stop), after waiting for a quiet moment on a CPU."""
             while not self._stop:
+                if (keys or self.wanted) and not self.memory.room():
+                    self._over_budget(len(keys) + len(self.wanted))
+                    return None
                 usage = map_usage()
                 share = usage[0] / usage[1] if usage is not None else 0.0
                 if keys and share > MAP_BUDGET:
@@ -464,6 +480,7 @@ class Programs:
                 if key not in self._table():
                     try:
                         prog = self.compile(key)
+                        self.memory.background += 1
                         with self.sched.lock:  # the scheduler thread runs it once at its next idle moment
                             self.fresh.append((key, prog))
                             self.sched.wake.notify()
@@ -477,6 +494,22 @@ class Programs:
 
         self._thread = threading.Thread(target=run, name="jaxspec-compile", daemon=True)
         self._thread.start()
+
+    def _over_budget(self, left: int) -> None:
+        """Stops background compiling for good: the compiled programs fill their memory budget."""
+        m = self.memory
+        logger.warning(
+            "background compiles stopped after %d programs, %d left: %d compiled programs take about %.2f GiB of "
+            "their %.2f GiB budget (a tenth of host RAM, at most 2.5 GiB); the shapes left are served by larger programs",
+            self.background_done,
+            left,
+            m.count,
+            m.bytes / 2**30,
+            m.budget_bytes / 2**30,
+        )
+        with self.lock:
+            self.background_total = self.background_done
+        self._stop = True
 
     def stop(self) -> None:
         self._stop = True

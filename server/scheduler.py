@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import grammar
+from jaxspec.cache import KVCache
 from jaxspec.config import SpecConfig
 from jaxspec.decode import LENGTH, STOPPED
 from jaxspec.engine import Engine
@@ -64,7 +65,7 @@ from jaxspec.sampling import SamplingParams, SamplingTensors, any_sampled, skips
 from jaxspec.serving import SlotBatch
 from jaxspec.speculative.adaptive import OFF, SERVER_MARGIN, Adaptive, shape_label
 from server.detokenize import DetokState, detokenize
-from server.memory import MemoryPlan, plan_slots
+from server.memory import MemoryPlan, map_usage, plan_slots, release_pages, rss_bytes, trim_heap
 from server.programs import Programs
 
 logger = logging.getLogger("jaxspec.server")
@@ -238,6 +239,7 @@ class Scheduler:
         self.max_queued = max_queued_requests
         self.slots = self._plan_memory(max_running_requests, mem_fraction_static, gpu)
         self.batch = self._new_batch(self.slots)
+        self.release_kv()
         self.busy: dict[int, Request] = {}  # slot -> request (prefilling or decoding)
         # admission groups with prompt chunks left
         self._prefilling: collections.deque[PrefillGroup] = collections.deque()
@@ -275,6 +277,35 @@ class Scheduler:
         )
         self.memory_plan: MemoryPlan = plan
         return plan.slots
+
+    def _kv_arrays(self) -> list[jax.Array]:
+        """The KV buffers of the target's and the draft's caches."""
+        caches = jax.tree_util.tree_leaves(self.batch.core, is_leaf=lambda x: isinstance(x, KVCache))
+        return [a for c in caches if isinstance(c, KVCache) for a in c.k + c.v]
+
+    def release_kv(self) -> int:
+        """Hands the KV caches' pages back to the kernel (server/memory.py release_pages): only
+        while every slot is free and holds no cached prefix (their contents no longer matter), and
+        no device call is in flight. Returns the bytes released."""
+        return release_pages(self._kv_arrays())
+
+    def memory_report(self) -> dict[str, Any]:
+        """What the server's memory holds (bytes): weights, the KV cache as allocated (on a CPU its
+        pages are taken only as requests write columns), compiled programs (measured at start-up)
+        and their budget, and the process's resident memory and memory maps now."""
+        plan, progs = self.memory_plan, self.programs.memory
+        maps = map_usage()
+        return {
+            "weights_bytes": plan.weights_bytes,
+            "kv_cache_bytes": sum(a.nbytes for a in self._kv_arrays()) // max(self.eng.tp_size, 1),
+            "slots": self.slots,
+            "context_length": self.context_length,
+            "programs": progs.count,
+            "program_bytes": progs.bytes,
+            "program_budget_bytes": progs.budget_bytes,
+            "resident_bytes": rss_bytes(),
+            "memory_maps": None if maps is None else maps[0],
+        }
 
     def _new_batch(self, slots: int, sharded: bool = True) -> SlotBatch:
         """Empty device slots. Every emitted token's logprob and its top alternatives (jaxspec/logprobs.py)
@@ -481,6 +512,7 @@ class Scheduler:
             with self.lock:
                 self.cached.clear()
             self.batch = self._new_batch(self.slots)
+            self.release_kv()
             with self.lock:
                 self.stats.recoveries += 1
             self.last_recovery = why
@@ -614,7 +646,7 @@ class Scheduler:
 
     def _copy(self, src: int, dst: int, columns: int) -> None:
         """The KV of the first `columns` positions of slot src into slot dst (copy_prefix)."""
-        prog = self.programs.get(("copy", self._span(columns)))
+        prog = self.programs.get(("copy",))
         self._seq += 1
         self._admit_seq = self._seq
         self.batch = prog(self.batch, jnp.int32(src), jnp.int32(dst), jnp.int32(columns))
@@ -743,8 +775,8 @@ class Scheduler:
                     del self.busy[r.slot]
 
     def _span(self, need: int) -> int:
-        """KV columns a program reads: a power of two >= need and >= min_span."""
-        return min(bucket(need, self.min_span), self.max_len)
+        """KV columns a program reads: the smallest compiled span >= need (server/programs.py spans)."""
+        return self.programs.span_for(need)
 
     def _dispatch(self, busy: dict[int, Request]) -> None:
         n_act = min(bucket(max(busy) + 1), self.slots)
@@ -1027,6 +1059,8 @@ def warmup(sched: Scheduler, max_bs: int, progress: bool = True, background: boo
     """Compiles the start-up cover set (server/programs.py) with a progress bar, then, if
     `background`, every other program shape in a background thread. Returns the number of
     start-up programs."""
+    trim_heap()
+    before = rss_bytes()
     n = sched.programs.compile_startup(max_bs, progress=progress)
     sched.programs.lazy = False
     # one short request through the whole path, so that the first client's does not set up the host side
@@ -1040,6 +1074,26 @@ def warmup(sched: Scheduler, max_bs: int, progress: bool = True, background: boo
     with sched.lock:  # warm-up requests do not count
         sched.stats = Stats()
     sched.flush_cache()
+    sched.release_kv()  # the programs' first runs wrote into free slots
+    trim_heap()
+    mem = sched.programs.memory
+    mem.startup = n
+    mem.per_program = max(rss_bytes() - before, 0) // max(n, 1) if before else 0
+    r = sched.memory_report()
+    gib = lambda x: f"{x / 2**30:.2f} GiB"
+    logger.warning(
+        "memory: weights %s; KV cache %s (%d slots x %d tokens; on a CPU its pages are taken as requests write "
+        "them); %d compiled programs about %s (%.0f MB each, budget %s); resident now %s",
+        gib(r["weights_bytes"]),
+        gib(r["kv_cache_bytes"]),
+        r["slots"],
+        r["context_length"],
+        n,
+        gib(mem.bytes),
+        mem.per_program / 2**20,
+        gib(mem.budget_bytes),
+        gib(r["resident_bytes"]),
+    )
     if background:
         sched.programs.start_background()
     return n

@@ -39,6 +39,21 @@ from helpers import (  # noqa: F401 - models is a fixture
 SPEC = SpecConfig("EAGLE3", "x", 2, 1, 3, adaptive=True)
 
 
+def test_an_explicit_tree_shape_turns_adaptive_speculation_off():
+    """The shipped draft runs adaptively at its shipped shape; a tree shape the user sets is the
+    shape run (as in SGLang), unless adaptive speculation is asked for as well."""
+    from jaxspec.args import SpeculativeArgs
+
+    bundled = ("EAGLE3", "/shipped/head", (2, 1, 3))
+    resolve = lambda **kw: SpecConfig.resolve(SpeculativeArgs(**kw), bundled=bundled, warn=False)
+    assert resolve().adaptive
+    shape = dict(speculative_num_steps=1, speculative_eagle_topk=1, speculative_num_draft_tokens=2)
+    static = resolve(**shape)
+    assert not static.adaptive and (static.num_steps, static.eagle_topk, static.num_draft_tokens) == (1, 1, 2)
+    assert resolve(**shape, speculative_adaptive=True).adaptive
+    assert not resolve(speculative_adaptive=False).adaptive
+
+
 def _forced(eng, order, rounds=1):
     """Makes eng's adaptive choice follow `order` (cycled; indices into its candidates: 0 the
     configured shape, 1 the shallower one, -1 no speculation), in blocks of `rounds` rounds."""
@@ -381,9 +396,10 @@ def test_server_measures_costs_and_acceptance(models, plain):  # noqa: F811
 
 @pytest.mark.slow
 def test_server_candidate_programs_compile_in_the_background(models):  # noqa: F811
-    """The twins of the start-up dispatches for the other candidates (plain steps, the shallower
-    tree) are background programs, and a call runs another candidate only once a program of it is
-    compiled (until then the configured shape serves it)."""
+    """Start-up compiles plain steps for all the slots at short spans (where a busy server turns
+    speculation off); the other twins of the start-up dispatches for the other candidates (plain
+    steps, the shallower tree) are background programs, and a call runs another candidate only
+    once a program of it is compiled (until then the configured shape serves it)."""
     from server.scheduler import Scheduler
 
     eng = engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True)
@@ -393,9 +409,12 @@ def test_server_candidate_programs_compile_in_the_background(models):  # noqa: F
     startup = progs.startup_keys(2)
     bg = progs.background_keys()
     assert list(sched.shapes) == ["3/2/6", "1/2/3", OFF] and sched.main_shape == "3/2/6"
-    assert all(k[4] == "3/2/6" for k in startup if k[0] == "dispatch")
+    assert all(k[4] == "3/2/6" for k in startup if k[0] == "dispatch" and k[4] != OFF)
+    off = {("dispatch", 2, x, True, OFF, False, False) for x in progs.spans() if x <= 1024}
+    assert off and {k for k in startup if k[0] == "dispatch" and k[4] == OFF} == off
     for x in (OFF, "1/2/3"):
-        assert {k[:4] + (x, False, False) for k in startup if k[0] == "dispatch" and not k[5]} <= set(bg)
+        twins = {k[:4] + (x, False, False) for k in startup if k[0] == "dispatch" and not k[5]}
+        assert twins <= set(bg) | off
     assert progs.dispatch_key(1, 64, False, OFF) is None
     progs.compile(("dispatch", 2, 128, True, OFF, False, False))
     assert progs.dispatch_key(1, 64, False, OFF) == ("dispatch", 2, 128, True, OFF, False, False)
@@ -447,6 +466,45 @@ def test_background_compiles_stop_within_the_memory_map_budget(models, monkeypat
         progs._thread.join(30)
     assert progs.background_done == progs.background_total == 2
     assert "background compiles stopped after 2 programs" in caplog.text
+
+
+def test_background_compiles_stop_within_the_program_memory_budget(models, monkeypatch, caplog):  # noqa: F811
+    """Compiled programs take tens of MB of host memory each (measured at start-up): the background
+    compile stops, with a warning, once one more program would pass their budget."""
+    from server.scheduler import Scheduler
+
+    sched = Scheduler(engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True), max_running_requests=2)
+    progs = sched.programs
+    progs.lazy = False
+    progs.memory.budget_bytes, progs.memory.per_program, progs.memory.startup = 350 << 20, 100 << 20, 1
+    monkeypatch.setattr(progs, "compile", lambda key: None)
+    monkeypatch.setattr(progs, "idle_only", False)
+    with caplog.at_level("WARNING", logger="jaxspec.server"):
+        progs.start_background()
+        progs._thread.join(30)
+    assert progs.background_done == progs.background_total == 2 and progs.memory.count == 3
+    assert "background compiles stopped after 2 programs" in caplog.text and "about 0.29 GiB" in caplog.text
+
+
+def test_program_spans_and_the_constrained_cover(models):  # noqa: F811
+    """Spans are powers of two up to max_len, which replaces the power of two just below it (a
+    context of 2^k reads 2^k + scratch columns: one set of programs for both); every call's span
+    is one of them; the start-up set serves constrained requests (with logprobs or not) at short
+    spans and at every other."""
+    from server.scheduler import Scheduler
+
+    eng = engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True)
+    sched = Scheduler(eng, max_running_requests=2)
+    progs = sched.programs
+    assert sched.max_len == 256 + 64 and progs.spans() == [64, 320]
+    assert [sched._span(x) for x in (1, 64, 65, 129, 256, 300)] == [64, 64, 320, 320, 320, 320]
+    startup = progs.startup_keys(2)
+    progs.lazy = False
+    for key in startup:
+        progs._table()[key] = object()  # as if compiled
+    for n, span, lps in ((1, 64, False), (2, 100, True), (2, 300, False)):
+        key = progs.dispatch_key(n, sched._span(span), True, logprobs=lps, grammar=True)
+        assert key in startup and key[6] and key[2] >= span, key
 
 
 def test_programs_calls_want_compile_first_and_past_the_list_budget(models, monkeypatch, caplog):  # noqa: F811

@@ -5,7 +5,8 @@ served at concurrency 8 among free, sampled, `n = 2`, logprob, penalised (plain 
 the round), streamed-and-abandoned and invalid requests, on a speculative server (an EAGLE-3 head
 with a small draft vocabulary, adaptive speculation on, so plain steps and rounds alternate).
 Checked: no 5xx, every constrained output valid, no matcher ever refused an emitted token, and
-greedy constrained outputs identical to the same requests served alone. Tiny random models: their
+greedy constrained outputs identical to the same requests served alone; on a server that compiled
+its programs ahead (as `jaxspec serve` does by default), no request waited for a compile. Tiny random models: their
 free output is noise, so only the masks make constrained output valid.
 """
 
@@ -59,8 +60,8 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-@pytest.fixture(scope="module")
-def server(model_dirs, tmp_path_factory):  # noqa: F811
+@pytest.fixture(scope="module", params=["compile-on-first-use", "compile-ahead"])
+def server(model_dirs, tmp_path_factory, request):  # noqa: F811
     with open(f"{model_dirs['target']}/config.json") as f:
         cfg = json.load(f)
     head = save_eagle_head(
@@ -75,8 +76,8 @@ def server(model_dirs, tmp_path_factory):  # noqa: F811
         speculative_num_draft_tokens=6,
         speculative_adaptive=True,
         max_running_requests=8,
-        disable_cuda_graph=True,  # compile on first use: only the shapes this test meets
         context_length=640,
+        **({"disable_cuda_graph": True} if request.param == "compile-on-first-use" else {}),
     )
     yield s
     s.stop()
@@ -209,6 +210,8 @@ def test_constrained_output_holds_under_mixed_load(server):
     refused = [m for m in lines.lines if "grammar" in m and ("rejected" in m or "stale" in m)]
     assert not refused, refused[:3]
     assert server.sched.stats.grammar_rejections == 0
+    if not server.sched.programs.lazy:  # compiled ahead: every call found a program
+        assert server.sched.programs.compiles_on_demand == 0
     assert len(got) == REQUESTS // 2
     for i, msg in got:  # greedy constrained output does not depend on the company it keeps
         ref = alone[i]
