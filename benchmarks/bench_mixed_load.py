@@ -6,8 +6,8 @@
 Without --url it starts `jaxspec serve` (its defaults, plus --serve-args) on a free loopback port.
 Every kind of request shares the server, as SGLang/vLLM users send them: chat (greedy, sampled),
 streaming, completions, `n = 2`, logprobs, JSON schema (`response_format`), tools with
-`tool_choice: "required"`, prompts of 300-900 words, clients that disconnect mid-stream, and
-invalid bodies. Before the load, each prompt-length bucket (one per KV span the server compiles)
+`tool_choice: "required"`, prompts of 300-900 words, prompts near the context length (rarely),
+clients that disconnect mid-stream, invalid bodies and prefix-cache flushes. Before the load, each prompt-length bucket (one per KV span the server compiles)
 is timed twice with different prompts of the same length: the first request of a bucket should
 cost no more than the next (no compile, no first-run setup on the request path). Greedy probes run
 at the start and at the end and must answer the same. Every --interval seconds it prints the
@@ -56,7 +56,22 @@ WEATHER = {
         },
     },
 }
-KINDS = ("chat", "sampled", "stream", "completion", "n2", "logprobs", "json", "tools", "long", "leave", "invalid")
+KINDS = (
+    "chat",
+    "sampled",
+    "stream",
+    "completion",
+    "n2",
+    "logprobs",
+    "json",
+    "tools",
+    "long",
+    "near-context",
+    "leave",
+    "invalid",
+    "flush",
+)
+WEIGHTS = [4 if k not in ("near-context", "flush") else 1 for k in KINDS]  # prefill near the context takes minutes
 PROBES = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 
 
@@ -89,8 +104,8 @@ def words(rng: random.Random, corpus: list[str], lo: int, hi: int) -> str:
     return " ".join(out[:n])
 
 
-def body_for(kind: str, rng: random.Random, corpus: list[str]) -> tuple[str, dict | None]:
-    """(path, body) of one request of `kind`."""
+def body_for(kind: str, rng: random.Random, corpus: list[str], context: int = 8192) -> tuple[str, dict | None]:
+    """(path, body) of one request of `kind` (context: the server's context length, in tokens)."""
     chat = lambda text, **kw: {"messages": [{"role": "user", "content": text}], "max_tokens": 96, **kw}
     q = rng.choice(corpus)
     if kind == "chat":
@@ -116,6 +131,11 @@ def body_for(kind: str, rng: random.Random, corpus: list[str]) -> tuple[str, dic
         return "/v1/chat/completions", chat(
             f"Summarise these notes in two sentences.\n\n{words(rng, corpus, 300, 900)}", temperature=0
         )
+    if kind == "near-context":  # about 1.3 tokens per word: a prompt within a few hundred tokens of the context
+        n = max(context * 10 // 13 - 400, 50)
+        return "/v1/completions", {"prompt": words(rng, corpus, n - 100, n), "max_tokens": 32, "temperature": 0}
+    if kind == "flush":
+        return "/flush_cache", {}
     return "/v1/chat/completions", None  # invalid
 
 
@@ -123,6 +143,8 @@ def check(kind: str, out: dict) -> str | None:
     """What is wrong with a 200 response's constrained content (None: nothing)."""
     import jsonschema
 
+    if kind not in ("json", "tools"):
+        return None
     ch = out["choices"][0]
     if ch.get("finish_reason") == "length":
         return None
@@ -185,6 +207,7 @@ def main() -> int:
     print(f"machine: {machine()}; server ready after {time.time() - t0:.0f} s", flush=True)
     rng = random.Random(args.seed)
     corpus = mtbench_first_turns()
+    context = int(cl.call("GET", "/get_server_info")[1].get("context_length") or 8192)
 
     def info() -> dict:
         return cl.call("GET", "/get_server_info")[1]["internal_states"][0]
@@ -251,8 +274,8 @@ def main() -> int:
     def worker(seed: int):
         r = random.Random(seed)
         while time.time() < end:
-            kind = r.choice(KINDS)
-            path, body = body_for(kind, r, corpus)
+            kind = r.choices(KINDS, WEIGHTS)[0]
+            path, body = body_for(kind, r, corpus, context)
             t = time.perf_counter()
             try:
                 if kind == "invalid":
@@ -274,7 +297,7 @@ def main() -> int:
                 bad = f"{kind}: {type(e).__name__}: {e}"
             with lock:
                 counts[kind] += 1
-                if kind not in ("invalid", "leave"):
+                if kind not in ("invalid", "leave", "flush", "near-context"):
                     lat.append(time.perf_counter() - t)
                 if bad:
                     errors.append(bad)

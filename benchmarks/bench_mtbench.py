@@ -38,11 +38,12 @@ from jaxspec.bench import warmup_set
 def run(engines, ids, sp, bs) -> list[tuple]:
     """Every engine over the same batches, interleaved batch by batch (so that a machine whose speed
     drifts during the run slows them alike), after a warm-up of each. Returns per engine (tokens,
-    rounds, seconds, accept-length histogram, rounds per adaptive shape)."""
+    adaptive speculation's plain steps, speculative rounds, seconds, accept-length histogram,
+    rounds per adaptive shape)."""
     for _, eng in engines:
         for batch in warmup_set(eng, ids, sp["max_new_tokens"], bs):
             eng.generate(input_ids=batch, sampling_params=sp)
-    acc = [dict(tokens=0, verify=0, dt=0.0, hist=None, shapes={}) for _ in engines]
+    acc = [dict(tokens=0, plain=0, verify=0, dt=0.0, hist=None, shapes={}) for _ in engines]
     for s in range(0, len(ids), bs):
         for (_, eng), a in zip(engines, acc):
             t = time.perf_counter()
@@ -52,12 +53,13 @@ def run(engines, ids, sp, bs) -> list[tuple]:
                 m = r["meta_info"]
                 a["tokens"] += m["completion_tokens"]
                 a["verify"] += m["spec_verify_ct"]
+                a["plain"] += m.get("spec_plain_steps", 0)
                 h = m.get("spec_accept_histogram")
                 if h is not None:
                     a["hist"] = h if a["hist"] is None else [x + y for x, y in zip(a["hist"], h)]
                 for k, v in m.get("spec_shapes", {}).items():
                     a["shapes"][k] = a["shapes"].get(k, 0) + v
-    return [(a["tokens"], a["verify"], a["dt"], a["hist"], a["shapes"]) for a in acc]
+    return [(a["tokens"], a["plain"], a["verify"], a["dt"], a["hist"], a["shapes"]) for a in acc]
 
 
 def histogram_svg(hist, title, path, width=480, height=260):
@@ -162,12 +164,14 @@ def main():
             else {"temperature": 0, "max_new_tokens": args.max_new_tokens}
         )
         bases: dict[bool, float] = {}  # plain tokens/s of each kernel layout: the speedups' base
-        for (algo, _), (tokens, verify, dt, hist, shapes) in zip(engines, run(engines, ids, sp, args.batch_size)):
+        for (algo, _), (tokens, plain, verify, dt, hist, shapes) in zip(
+            engines, run(engines, ids, sp, args.batch_size)
+        ):
             total = max(sum(shapes.values()), 1)
             share = ", ".join(f"{k} {v / total:.0%}" for k, v in shapes.items()) if shapes else "-"
             tps = tokens / dt
             base = bases.setdefault(algo.endswith("(in-major)"), tps)
-            acc = tokens / max(verify, 1)
+            acc = (tokens - plain) / max(verify, 1)  # per speculative round (plain steps apart)
             rows.append(
                 dict(
                     temperature=temp,

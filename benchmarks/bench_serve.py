@@ -155,7 +155,7 @@ def one_request(port, question, args, temperature):
     t0 = time.perf_counter()
     ttft = last = None
     gaps = []  # seconds between consecutive content chunks: how smooth the stream is
-    tokens = verify = 0
+    tokens = verify = plain = 0
     for ev in stream_chat(port, body):
         if ev.get("choices") and ev["choices"][0].get("delta", {}).get("content"):
             now = time.perf_counter()
@@ -168,7 +168,8 @@ def one_request(port, question, args, temperature):
             tokens = ev["usage"]["completion_tokens"]
         if "spec_metrics" in ev:
             verify = ev["spec_metrics"]["spec_verify_ct"]
-    return time.perf_counter() - t0, ttft, tokens, verify, gaps
+            plain = ev["spec_metrics"].get("spec_plain_steps", 0)
+    return time.perf_counter() - t0, ttft, tokens, verify, gaps, plain
 
 
 def run_level(port, questions, conc, temperature, args):
@@ -197,6 +198,7 @@ def run_level(port, questions, conc, temperature, args):
     ttft = np.array([r[1] for r in rows if r[1] is not None])
     tokens = sum(r[2] for r in rows)
     verify = sum(r[3] for r in rows)
+    plain = sum(r[5] for r in rows)  # adaptive speculation's plain steps: not rounds
     gaps = np.array([g for r in rows for g in r[4]])
     pct = lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan")
     return dict(
@@ -206,7 +208,7 @@ def run_level(port, questions, conc, temperature, args):
         wall_s=wall,
         tokens=tokens,
         tok_per_s=tokens / wall,
-        accept=tokens / verify if verify else float("nan"),
+        accept=(tokens - plain) / verify if verify else float("nan"),
         lat_p50=pct(lat, 50),
         lat_p90=pct(lat, 90),
         lat_p99=pct(lat, 99),

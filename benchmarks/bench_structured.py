@@ -61,7 +61,7 @@ def run(eng, texts, params, repeats):
     """(decode tokens, decode seconds, accept length, outputs). Per prompt, the best of `repeats`
     runs, less the best of `repeats` runs of the same request cut at its first token (prefill and
     first token), so that outputs of different lengths compare by their decoding rate alone."""
-    toks = secs = rounds = 0
+    toks = secs = rounds = plain = 0
     outs = []
     for t in texts:
         full = min(timed(eng, t, params)[0] for _ in range(repeats))
@@ -70,9 +70,12 @@ def run(eng, texts, params, repeats):
         n = r["meta_info"]["completion_tokens"]
         toks += n - 1
         secs += max(full - first, 1e-9)
-        rounds += r["meta_info"].get("spec_verify_ct") or n
+        m = r["meta_info"]
+        rounds += m.get("spec_verify_ct") or n
+        plain += m.get("spec_plain_steps", 0)
         outs.append(r)
-    return toks, secs, sum(r["meta_info"]["completion_tokens"] for r in outs) / max(rounds, 1), outs
+    accept = (sum(r["meta_info"]["completion_tokens"] for r in outs) - plain) / max(rounds, 1)  # rounds only
+    return toks, secs, accept, outs
 
 
 def mask_cost(eng, texts, params, max_tokens):

@@ -68,17 +68,21 @@ def warmup_set(eng, ids, max_new: int, bs: int) -> list[list[list[int]]]:
 
 
 def _measure(eng, ids, bs, sp):
-    """-> (output tokens, rounds the batches ran, sum of per-request rounds, seconds)."""
+    """-> (output tokens, program steps the batches ran (rounds and adaptive speculation's plain
+    steps), sum of per-request speculative rounds, tokens those rounds emitted, seconds)."""
     for batch in warmup_set(eng, ids, sp["max_new_tokens"], bs):
         eng.generate(input_ids=batch, sampling_params=sp)
-    tokens = rounds = verify = 0
+    tokens = rounds = verify = spec_tokens = 0
     t = time.perf_counter()
     for s in range(0, len(ids), bs):
         out = eng.generate(input_ids=ids[s : s + bs], sampling_params=sp)
+        plain = [r["meta_info"].get("spec_plain_steps", 0) for r in out]
         tokens += sum(r["meta_info"]["completion_tokens"] for r in out)
+        spec_tokens += sum(r["meta_info"]["completion_tokens"] for r in out) - sum(plain)
         verify += sum(r["meta_info"]["spec_verify_ct"] for r in out)
-        rounds += max(r["meta_info"]["spec_verify_ct"] for r in out)  # slots of a batch run in lockstep
-    return tokens, rounds, verify, time.perf_counter() - t
+        # slots of a batch run in lockstep
+        rounds += max(r["meta_info"]["spec_verify_ct"] + p for r, p in zip(out, plain))
+    return tokens, rounds, verify, spec_tokens, time.perf_counter() - t
 
 
 def run_sweep(args) -> list[dict]:
@@ -118,7 +122,7 @@ def run_sweep(args) -> list[dict]:
     for bs in args.batch_size:
         base_tps = None
         if args.baseline or not args.speculative_algorithm:
-            tokens, rounds, _, dt = _measure(plain, ids, bs, sp)
+            tokens, rounds, _, _, dt = _measure(plain, ids, bs, sp)
             base_tps = tokens / dt
             rows.append(
                 dict(
@@ -148,9 +152,9 @@ def run_sweep(args) -> list[dict]:
                 print(f"skip steps={steps} topk={topk} N={n}: {e}")
                 continue
             s = eng.spec
-            tokens, rounds, verify, dt = _measure(eng, ids, bs, sp)
+            tokens, rounds, verify, spec_tokens, dt = _measure(eng, ids, bs, sp)
             tps = tokens / dt
-            acc = tokens / max(verify, 1)  # tokens per verification round, bonus included
+            acc = spec_tokens / max(verify, 1)  # tokens per speculative round, bonus included
             speed = tps / base_tps if base_tps else float("nan")
             rows.append(
                 dict(

@@ -19,6 +19,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.decode import LENGTH, STOPPED
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingParams
+from jaxspec.speculative.adaptive import OFF
 
 
 def bucket(n: int, lo: int = 1) -> int:
@@ -120,8 +121,16 @@ def make_result(
     hist: list[int] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """SGLang's result dictionary. verify_ct: verification rounds (plain decoding: one per token);
-    hist: accepted-length histogram (speculative requests); extra: more meta_info fields."""
+    """SGLang's result dictionary. verify_ct: rounds run (plain decoding: one per token); hist:
+    histogram of tokens emitted per round (speculative requests); extra: more meta_info fields.
+
+    With adaptive speculation (extra has spec_shapes, rounds per candidate; "off": plain steps),
+    the plain steps it chose are reported apart (spec_plain_steps) and left out of spec_verify_ct,
+    spec_accept_length and the histogram, which then count speculative rounds only, as SGLang's
+    do (spec_accept_length: tokens per round, the first token included; 0 when no round ran)."""
+    plain = int((extra.get("spec_shapes") or {}).get(OFF, 0))
+    rounds = max(verify_ct - plain, 0)
+    spec_tokens = len(out_ids) - plain
     meta = {
         "id": rid,
         "prompt_tokens": prompt_tokens,
@@ -129,11 +138,16 @@ def make_result(
         "finish_reason": reason,
         "e2e_latency": latency,
         **extra,
-        "spec_verify_ct": verify_ct,
-        "spec_accept_length": len(out_ids) / max(verify_ct, 1),
+        "spec_verify_ct": rounds,
+        "spec_accept_length": spec_tokens / rounds if rounds else (0.0 if plain else float(len(out_ids))),
     }
+    if "spec_shapes" in extra:
+        meta["spec_plain_steps"] = plain
     if hist is not None:
-        meta["spec_accept_histogram"] = [int(x) for x in hist]
+        h = [int(x) for x in hist]
+        if plain and h:  # a plain step counts as a round that emitted one token
+            h[0] = max(h[0] - plain, 0)
+        meta["spec_accept_histogram"] = h
     return {"text": text, "output_ids": list(out_ids), "meta_info": meta}
 
 

@@ -289,6 +289,7 @@ def create_app(
         keys = (
             "speculative",
             "spec_verify_ct",
+            "spec_plain_steps",
             "spec_accept_length",
             "spec_accept_histogram",
             "spec_shapes",
@@ -740,10 +741,22 @@ def prometheus_text(sched: Scheduler, model: str) -> str:
         (
             "spec_accept_length",
             "gauge",
-            "mean tokens per verification round of finished speculative requests",
+            "mean tokens per speculative round of finished speculative requests (plain steps left out)",
             sched.avg_spec_accept_length or 0.0,
         ),
-        ("spec_verify_ct_total", "counter", "verification rounds of finished speculative requests", st.spec_verify_ct),
+        ("spec_verify_ct_total", "counter", "speculative rounds of finished speculative requests", st.spec_verify_ct),
+        (
+            "spec_plain_steps_total",
+            "counter",
+            "plain steps of finished speculative requests (adaptive speculation turned speculation off)",
+            st.spec_plain_steps,
+        ),
+        (
+            "spec_plain_step_share",
+            "gauge",
+            "share of those requests' rounds run as plain steps",
+            round(sched.plain_step_share, 4),
+        ),
         ("num_running_reqs", "gauge", "requests holding a slot", sched.running),
         ("num_queue_reqs", "gauge", "requests waiting for a slot", sched.queue_depth),
         ("max_running_requests", "gauge", "request slots", sched.slots),

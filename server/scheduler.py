@@ -176,8 +176,9 @@ class Stats:
     prefill_tokens: int = 0  # prompt tokens prefilled (not cached; padding not counted)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     generation_tokens: int = 0
-    spec_tokens: int = 0  # tokens of finished speculative requests
-    spec_verify_ct: int = 0  # their rounds
+    spec_tokens: int = 0  # tokens of finished speculative requests, less those of plain steps
+    spec_verify_ct: int = 0  # their speculative rounds
+    spec_plain_steps: int = 0  # their plain steps (adaptive speculation turned speculation off)
     # tree shape (speculative/adaptive.py shape_label) -> dispatches / rounds run with it
     shape_dispatches: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     shape_rounds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -1001,8 +1002,10 @@ class Scheduler:
         if reason["type"] != "abort":
             st.finished += 1
             if self.spec and r.speculative and r.verify_ct:
-                st.spec_tokens += len(r.out_ids)
-                st.spec_verify_ct += r.verify_ct
+                plain = r.shape_rounds.get(OFF, 0)
+                st.spec_tokens += len(r.out_ids) - plain
+                st.spec_verify_ct += r.verify_ct - plain
+                st.spec_plain_steps += plain
         if self.prop is not None and self.spec.algorithm == "NGRAM" and reason["type"] != "abort":
             self._ngram_add(r)
         if self.prefix_cache and reason["type"] != "abort" and r.decoding and r.slot not in self.busy:
@@ -1048,6 +1051,13 @@ class Scheduler:
         """Rounds r ran with each adaptive candidate (plain steps count one round each)."""
         assert self.adaptive is not None
         return {shape_label(c): r.shape_rounds.get(shape_label(c), 0) for c in self.adaptive.candidates}
+
+    @property
+    def plain_step_share(self) -> float:
+        """The share of finished speculative requests' rounds that adaptive speculation ran as
+        plain steps."""
+        st = self.stats
+        return st.spec_plain_steps / max(st.spec_plain_steps + st.spec_verify_ct, 1)
 
     @property
     def avg_spec_accept_length(self) -> float | None:

@@ -253,8 +253,12 @@ def test_alternating_blocks_are_lossless(models, algo, draft, knobs, target):  #
         m = r["meta_info"]
         assert r["output_ids"] == want["output_ids"]
         assert all(m["spec_shapes"][shape_label(c)] > 0 for c in eng.adaptive.candidates)
-        assert sum(m["spec_shapes"].values()) == m["spec_verify_ct"]
-        assert m["spec_accept_histogram"][0] >= m["spec_shapes"][OFF]  # a plain step emits one token
+        # plain steps apart: spec_verify_ct, the accept length and the histogram count rounds only
+        assert m["spec_plain_steps"] == m["spec_shapes"][OFF]
+        assert sum(m["spec_shapes"].values()) == m["spec_verify_ct"] + m["spec_plain_steps"]
+        assert sum(m["spec_accept_histogram"]) == m["spec_verify_ct"]
+        spec_tokens = m["completion_tokens"] - m["spec_plain_steps"]
+        assert m["spec_accept_length"] == pytest.approx(spec_tokens / m["spec_verify_ct"])
         if draft == "target":  # every round accepts its every draft: all steps, or the shallower tree's
             half = eng.adaptive.candidates[1].num_steps
             hist = m["spec_accept_histogram"]
@@ -339,12 +343,16 @@ def test_server_dispatches_alternate_losslessly(models, overlap):  # noqa: F811
         assert r["output_ids"] == want, i
         if i % 2 == 0:
             assert all(m["spec_shapes"][x] > 0 for x in labels), m["spec_shapes"]
-            assert sum(m["spec_shapes"].values()) == m["spec_verify_ct"]
+            assert sum(m["spec_shapes"].values()) == m["spec_verify_ct"] + m["spec_plain_steps"]
         else:
             assert not m["speculative"] and "spec_shapes" not in m
     st = sched.stats
     assert all(st.shape_dispatches[x] > 0 for x in labels)
     assert st.shape_rounds[OFF] >= st.shape_dispatches[OFF]
+    spec = [out[i]["meta_info"] for i in (0, 2)]  # Stats count speculative rounds and plain steps apart
+    assert st.spec_plain_steps == sum(m["spec_plain_steps"] for m in spec) > 0
+    assert st.spec_verify_ct == sum(m["spec_verify_ct"] for m in spec)
+    assert sched.plain_step_share == pytest.approx(st.spec_plain_steps / (st.spec_plain_steps + st.spec_verify_ct))
 
 
 @pytest.mark.slow
@@ -391,7 +399,7 @@ def test_server_measures_costs_and_acceptance(models, plain):  # noqa: F811
     for i, r in res.items():
         assert r["output_ids"][:24] == plain[len(PROMPTS[i])]
         shapes = r["meta_info"]["spec_shapes"]
-        assert shapes[label] > 0 and sum(shapes.values()) == r["meta_info"]["spec_verify_ct"]
+        assert shapes[label] > 0 and sum(shapes.values()) == r["meta_info"]["spec_verify_ct"] + shapes[OFF]
 
 
 @pytest.mark.slow
