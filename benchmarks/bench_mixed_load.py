@@ -131,8 +131,8 @@ def body_for(kind: str, rng: random.Random, corpus: list[str], context: int = 81
         return "/v1/chat/completions", chat(
             f"Summarise these notes in two sentences.\n\n{words(rng, corpus, 300, 900)}", temperature=0
         )
-    if kind == "near-context":  # about 1.3 tokens per word: a prompt within a few hundred tokens of the context
-        n = max(context * 10 // 13 - 400, 50)
+    if kind == "near-context":  # MT-bench text is about 1.5 tokens per word: within about 1,000 tokens of the context
+        n = max(context * 10 // 16 - 300, 50)
         return "/v1/completions", {"prompt": words(rng, corpus, n - 100, n), "max_tokens": 32, "temperature": 0}
     if kind == "flush":
         return "/flush_cache", {}
