@@ -279,9 +279,10 @@ class Scheduler:
         self.memory_plan: MemoryPlan = plan
         return plan.slots
 
-    def _kv_arrays(self) -> list[jax.Array]:
-        """The KV buffers of the target's and the draft's caches."""
-        caches = jax.tree_util.tree_leaves(self.batch.core, is_leaf=lambda x: isinstance(x, KVCache))
+    def _kv_arrays(self, batch: SlotBatch | None = None) -> list[jax.Array]:
+        """The KV buffers of the target's and the draft's caches (of `batch`, default the slots')."""
+        batch = self.batch if batch is None else batch
+        caches = jax.tree_util.tree_leaves(batch.core, is_leaf=lambda x: isinstance(x, KVCache))
         return [a for c in caches if isinstance(c, KVCache) for a in c.k + c.v]
 
     def release_kv(self) -> int:
@@ -296,9 +297,11 @@ class Scheduler:
         and their budget, and the process's resident memory and memory maps now."""
         plan, progs = self.memory_plan, self.programs.memory
         maps = map_usage()
+        batch = self.batch  # None for a moment while the slots are re-created
+        kv = None if batch is None else sum(a.nbytes for a in self._kv_arrays(batch)) // max(self.eng.tp_size, 1)
         return {
             "weights_bytes": plan.weights_bytes,
-            "kv_cache_bytes": sum(a.nbytes for a in self._kv_arrays()) // max(self.eng.tp_size, 1),
+            "kv_cache_bytes": kv,
             "slots": self.slots,
             "context_length": self.context_length,
             "programs": progs.count,

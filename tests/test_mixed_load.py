@@ -212,6 +212,10 @@ def test_constrained_output_holds_under_mixed_load(server):
     assert server.sched.stats.grammar_rejections == 0
     if not server.sched.programs.lazy:  # compiled ahead: every call found a program
         assert server.sched.programs.compiles_on_demand == 0
+        status, info, _ = server.request("GET", "/get_server_info")
+        mem = info["internal_states"][0]["memory"]
+        assert status == 200 and mem["programs"] == server.sched.programs.memory.count > 0
+        assert mem["kv_cache_bytes"] > 0 and mem["resident_bytes"] > 0 and mem["weights_bytes"] > 0
     assert len(got) == REQUESTS // 2
     for i, msg in got:  # greedy constrained output does not depend on the company it keeps
         ref = alone[i]
