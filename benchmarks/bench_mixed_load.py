@@ -1,7 +1,7 @@
 """Mixed load on one `jaxspec serve` for a given time: memory, compiles and correctness over time.
 
     python benchmarks/bench_mixed_load.py [--minutes 30] [--concurrency 8] [--url http://127.0.0.1:30000]
-        [--serve-args "..."] [--interval 60]
+        [--serve-args "..."] [--interval 60] [--bucket-words 20 120 500 2000 4500] [--kinds chat json ...]
 
 Without --url it starts `jaxspec serve` (its defaults, plus --serve-args) on a free loopback port.
 Every kind of request shares the server, as SGLang/vLLM users send them: chat (greedy, sampled),
@@ -180,6 +180,14 @@ def main() -> int:
     ap.add_argument("--serve-args", default="", help="flags for the server this script starts")
     ap.add_argument("--interval", type=float, default=60.0, help="seconds between samples")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="the kinds of request sent")
+    ap.add_argument(
+        "--bucket-words",
+        type=int,
+        nargs="*",
+        default=[20, 120, 500, 2000, 4500],
+        help="prompt lengths (words) whose first request is timed against a second before the load",
+    )
     args = ap.parse_args()
 
     proc = None
@@ -245,7 +253,7 @@ def main() -> int:
     # each prompt bucket: its first request against a second one of the same length
     print("\n| prompt words | first request (s) | second (s) | ratio |\n|---|---|---|---|", flush=True)
     buckets = []
-    for n in (20, 120, 500, 2000, 4500):
+    for n in args.bucket_words:
         ts = []
         for _ in range(2):
             body = {"prompt": words(rng, corpus, n, n), "max_tokens": 8, "temperature": 0}
@@ -271,10 +279,13 @@ def main() -> int:
     end = time.time() + args.minutes * 60
     sample("start", [])
 
+    kinds = [k for k in KINDS if k in args.kinds]
+    weights = [w for k, w in zip(KINDS, WEIGHTS) if k in kinds]
+
     def worker(seed: int):
         r = random.Random(seed)
         while time.time() < end:
-            kind = r.choices(KINDS, WEIGHTS)[0]
+            kind = r.choices(kinds, weights)[0]
             path, body = body_for(kind, r, corpus, context)
             t = time.perf_counter()
             try:
