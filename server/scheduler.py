@@ -1026,7 +1026,7 @@ class Scheduler:
         if r.handle >= 0:
             grammar.close_handle(r.handle)
             if self._slot_handle.get(r.slot) == r.handle:
-                del self._slot_handle[r.slot]
+                self._slot_handle.pop(r.slot, None)  # (cancel runs on another thread than admission)
             r.handle = -1
 
     def _ngram_add(self, r: Request) -> None:
@@ -1096,7 +1096,7 @@ def warmup(sched: Scheduler, max_bs: int, progress: bool = True, background: boo
     gib = lambda x: f"{x / 2**30:.2f} GiB"
     logger.warning(
         "memory: weights %s; KV cache %s (%d slots x %d tokens; on a CPU its pages are taken as requests write "
-        "them); %d compiled programs about %s (%.0f MB each, budget %s); resident now %s",
+        "them); %d compiled programs about %s (%.0f MiB each, budget %s); resident now %s",
         gib(r["weights_bytes"]),
         gib(r["kv_cache_bytes"]),
         r["slots"],

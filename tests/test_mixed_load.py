@@ -20,32 +20,12 @@ import re
 import threading
 
 import pytest
+from test_structured import PERSON, REGEX, WEATHER
 
 from helpers import KEY, model_dirs, save_eagle_head, start  # noqa: F401 - model_dirs is a fixture
 
 pytestmark = pytest.mark.slow
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "answer": {"enum": ["yes", "no", "maybe"]},
-        "n": {"type": "integer", "minimum": 0, "maximum": 999},
-        "tag": {"type": "string", "maxLength": 6},
-    },
-    "required": ["answer", "n", "tag"],
-}
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
-            "required": ["city", "unit"],
-        },
-    },
-}
-REGEX = r"(red|green|blue)-[0-9]{2,4}"
 WORDS = "the cat sat on a mat while dogs ran far away into the night and".split()
 REQUESTS = 96
 CONCURRENCY = 8
