@@ -1,11 +1,12 @@
 """Constrained decoding: JSON-schema-constrained generation against free generation, with and
 without speculation, side by side in one run (offline engine, one request at a time, greedy).
 
-    python benchmarks/bench_structured.py [--prompts 8] [--max-tokens 128] [--repeats 2]
+    python benchmarks/bench_structured.py [--prompts 8] [--max-tokens 128] [--repeats 2] [--draft NAME=PATH ...]
 
 The default model (SmolLM2-135M-Instruct), free and constrained to a JSON schema: plain decoding,
 the shipped EAGLE-3 draft with its configured tree (adaptive speculation off), and with adaptive
-speculation (the default). Reported: decoding tokens per second (per prompt the best of --repeats
+speculation (the default); each --draft adds that EAGLE-3 head at the shipped head's tree, adaptive
+speculation off. Reported: decoding tokens per second (per prompt the best of --repeats
 runs less the best of the same request cut at its first token, so outputs of different lengths
 compare by decoding rate), accept length, how many finished constrained outputs validate against
 the schema, and llguidance's mask time per token.
@@ -106,6 +107,9 @@ def main():
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--draft", action="append", default=[], help="NAME=PATH: also this EAGLE-3 head, static (repeatable)"
+    )
     args = ap.parse_args()
     import jsonschema
 
@@ -118,8 +122,20 @@ def main():
     plain = jaxspec.Engine(speculative_algorithm="NONE", **common)
     spec = jaxspec.Engine(speculative_adaptive=False, **common)
     adaptive = jaxspec.Engine(**common)  # the default: adaptive speculation on for the shipped draft
+    shape = dict(
+        speculative_num_steps=spec.spec.num_steps,
+        speculative_eagle_topk=spec.spec.eagle_topk,
+        speculative_num_draft_tokens=spec.spec.num_draft_tokens,
+    )
+    extra = []
+    for d in args.draft:
+        name, _, path = d.partition("=")
+        if not path:
+            ap.error(f"--draft {d!r}: use NAME=PATH")
+        eng = jaxspec.Engine(speculative_draft_model_path=path, speculative_adaptive=False, **shape, **common)
+        extra.append((name, eng))
     print(f"# {machine()}", file=sys.stderr)
-    for eng in (plain, spec, adaptive):  # compile every program once
+    for eng in (plain, spec, adaptive, *(e for _, e in extra)):  # compile every program once
         run(eng, texts[:1], free, 1)
         run(eng, texts[:1], cons, 1)
     rows = {}
@@ -130,6 +146,11 @@ def main():
         ("EAGLE-3 constrained", spec, cons),
         ("EAGLE-3 adaptive free", adaptive, free),
         ("EAGLE-3 adaptive constrained", adaptive, cons),
+        *[
+            row
+            for label, e in extra
+            for row in ((f"EAGLE-3 {label} free", e, free), (f"EAGLE-3 {label} constrained", e, cons))
+        ],
     ]:
         toks, secs, acc, outs = run(eng, texts, params, args.repeats)
         valid = None
@@ -153,7 +174,7 @@ def main():
         print(f"| {name} | {x['tokens']} | {x['tok_s']:.1f} | {x['accept']:.2f} | {v} |")
     print()
     print(f"constrained / free, plain: {r['plain constrained']['tok_s'] / r['plain free']['tok_s']:.3f}")
-    for x in ("EAGLE-3", "EAGLE-3 adaptive"):
+    for x in ("EAGLE-3", "EAGLE-3 adaptive", *(f"EAGLE-3 {name}" for name, _ in extra)):
         print(f"constrained / free, {x}: {r[x + ' constrained']['tok_s'] / r[x + ' free']['tok_s']:.3f}")
         print(f"{x} / plain, constrained: {r[x + ' constrained']['tok_s'] / r['plain constrained']['tok_s']:.3f}")
         print(f"{x} / plain, free: {r[x + ' free']['tok_s'] / r['plain free']['tok_s']:.3f}")

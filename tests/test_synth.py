@@ -106,7 +106,7 @@ def test_synthesize_spreads_filters_and_resumes(tmp_path):
     def script(prefix, p):
         state["n"] += 1
         k = state["n"]
-        if k % 5 == 0:
+        if k % 3 == 0:
             return pool[0], "stop"  # the same prompt again and again: a near-duplicate after the first
         if k % 7 == 0:
             return "cut off in the midd", "length"
@@ -124,8 +124,8 @@ def test_synthesize_spreads_filters_and_resumes(tmp_path):
     assert len(set(seeds)) == len(seeds)  # every attempt its own seed
     # each category's prompts were written after its own system prompt, and stop at the end of a turn
     assert all(p["stop"] == "<|im_end|>" for call in eng.calls for p in call)
-    written = [c for c, _ in eng.prefixes]
-    assert written == sorted(written, key=["math", "coding"].index) and set(written) == {"math", "coding"}
+    written = [c for c, _ in eng.prefixes]  # the categories take turns, one batch each
+    assert written[:2] == ["math", "coding"] and set(written) == {"math", "coding"}
     assert all(pre.endswith("<|im_start|>user\n") for _, pre in eng.prefixes)
 
     # a rerun with a larger count keeps the first prompts, asks only for new ones, same seeds per attempt
@@ -225,3 +225,28 @@ def test_train_draft_synthesize_end_to_end(tmp_path):
     assert ev["held_out_per_category"] and "4096" in ev["draft_vocab_coverage"]
     tagged = load_tagged(str(out / "train_data.jsonl"))
     assert {c for c, _ in tagged} == {"chat", "math", "coding"} and len(tagged) >= 6
+
+
+def test_deadlines_stop_after_one_batch_and_json_prompts_get_a_grammar(tmp_path):
+    import time
+
+    from jaxspec.train.synth import ANSWER_PARAMS
+
+    rng = np.random.default_rng(2)
+    eng = Scripted(lambda prefix, p: (sentence(rng), "stop"))
+    late = time.monotonic() - 1  # already past: the first batch still runs, no second one
+    got = synthesize(eng, 12, ["math", "json", "coding"], batch=2, deadline=late)
+    assert len(eng.calls) == 1 and len(got) == 2 and {c for c, _ in got} == {"math"}
+    got = synthesize(eng, 6, ["math", "json", "coding"], batch=2)  # no deadline: every category, in turns
+    assert [c for c, _ in eng.prefixes[1:4]] == ["math", "json", "coding"] and len(got) == 6
+
+    convs = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "-"}] for i in range(6)]
+    cats = ["json", "math"] * 3
+    eng = Scripted(None)
+    out = regenerate(eng, convs, 8, batch=4, samples=1, categories=cats, category_params=ANSWER_PARAMS, deadline=late)
+    assert len(eng.calls) == 1 and len(out) == 4
+    assert all(p["temperature"] == 0 for p in eng.calls[0])  # greedy answers come first under a deadline
+    eng = Scripted(None)
+    regenerate(eng, convs, 8, batch=4, samples=1, categories=cats, category_params=ANSWER_PARAMS)
+    asked = [p for c in eng.calls for p in c]
+    assert len(asked) == 12 and sum("json_schema" in p for p in asked) == 6  # the json prompts' answers

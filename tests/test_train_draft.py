@@ -173,3 +173,28 @@ def test_length_bucketed_batches(target, tmp_path):
     assert sorted(epoch) == sorted(min(len(e.ids), 256) for e in examples)  # one epoch = every example once
     tr.step = 7  # a resumed run continues with the same batches
     assert all((a[1][0] == b[1][0]).all() for a, b in zip(tr._batches(), seen[7:]))
+
+
+def test_a_deadline_fits_the_schedule_and_a_later_run_starts_from_the_head(target, tmp_path):
+    import time
+
+    _, loaded, cfg_dict, examples = target
+    cfg = TrainConfig(
+        algorithm="EAGLE3", steps=100_000, batch_size=4, max_len=32, ttt_steps=2, draft_vocab_size=48, warmup=5
+    )
+    tr = Trainer(loaded, cfg_dict, examples[32:], cfg, str(tmp_path / "a"), progress=False)
+    tr._compile_buckets()  # (train() does it too; here first, so that the deadline below is all steps)
+    t0 = time.monotonic()
+    tr.train(deadline=t0 + 5)
+    assert time.monotonic() - t0 < 5 + 3
+    assert 25 < tr.step < 100_000 and abs(tr.planned - tr.step) <= 0.5 * tr.step
+    # the schedule was fitted to the steps that fit: it ends near a tenth of the peak, not at the peak
+    assert tr.log[-1]["lr"] < 0.4 * cfg.lr and max(r["lr"] for r in tr.log) == pytest.approx(cfg.lr, rel=0.05)
+    held = examples[:32]
+    trained = tr.evaluate(held)
+    out = tr.export("float32")
+    again = Trainer(loaded, cfg_dict, examples[32:], cfg, str(tmp_path / "b"), progress=False, init_head=out)
+    assert np.array_equal(again.ids, tr.ids)
+    assert again.evaluate(held)["loss"] == pytest.approx(trained["loss"], rel=1e-4)
+    with pytest.raises(Exception, match="not an EAGLE head"):
+        Trainer(loaded, cfg_dict, examples, TrainConfig(algorithm="EAGLE", steps=1), str(tmp_path / "c"), init_head=out)

@@ -12,14 +12,29 @@
 #                                                      # answers, into data-synth; train on it with DATA=data-synth)
 #   bash benchmarks/gpu/smollm2_drafts.sh wait JOB S   # follow JOB's log for at most S seconds
 #
-# Everything lives in /root/w (kept while the machine stays warm between calls).
+# The EAGLE-3 head in one GPU command (15-minute GPU slices: stage 1, stage 2, then "stage 3 && train"):
+#   bash benchmarks/gpu/smollm2_drafts.sh train        # foreground, about 9 minutes in all: the target answers
+#                        # ShareGPT prompts and prompts it writes itself (greedy + sampled; "json" prompts under a
+#                        # JSON grammar), the draft vocabulary is chosen by coverage of those answers, the head trains
+#                        # (TTT depth 7) until the time budget, and $OUT receives one gzipped tar in <= 15 MiB
+#                        # parts: the head, eval.json, the logs and the answers
+#   bash benchmarks/gpu/smollm2_drafts.sh unpack DIR HEAD   # dev machine: DIR (the files that came back) -> HEAD
+#   bash benchmarks/gpu/smollm2_drafts.sh carry DIR    # dev machine: DIR's head and answers into .gpu4, so that
+#                        # the next GPU slice ("stage 4" before "train") continues training that head on the same
+#                        # answers (regeneration then only answers prompts not answered before)
+#   Sizes: BUDGET (seconds for train-draft, default 450), SYNTH (prompts the target writes, 20000), BATCH (512).
+#
+# Everything lives in $W (default /root/w; kept while the machine stays warm between calls).
 set -uo pipefail
-W=/root/w
+W=${W:-/root/w}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
-export PYTHONPATH=$REPO:/tmp/site PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONPATH=$REPO:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export JAXSPEC_MTBENCH_QUESTIONS=$W/question.jsonl  # so that train-draft drops prompts near MT-bench's
-JAXSPEC="python3 -c 'import sys; from jaxspec.cli import main; sys.exit(main())'"
-MODEL=$W/SmolLM2-135M-Instruct
+PY=${PY:-python3}
+JAXSPEC="$PY -c 'import sys; from jaxspec.cli import main; sys.exit(main())'"
+MODEL=${MODEL:-$W/SmolLM2-135M-Instruct}
+OUT=${OUT:-/tmp/out}
+PART=15M  # files that come back from the GPU machine are at most 16 MiB each
 GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 
 case "$1" in
@@ -29,6 +44,7 @@ prepare)  # the pieces of the GPU checklist (GGUF, wheels, MT-bench), plus the S
   ;;
 stage)
   mkdir -p $W && cp -r "$REPO/.gpu$2"/* $W/ && ls -la $W
+  [ -f $W/prev/train_data.jsonl.gz ] && gunzip -f $W/prev/train_data.jsonl.gz
   if [ "$2" = 1 ]; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import jax, flax, optax, orbax.checkpoint, transformers, safetensors; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'transformers', transformers.__version__, jax.devices())"
@@ -79,6 +95,39 @@ start)
   echo "$CMD" > $W/$2.cmd
   setsid bash -c "cd $W; $CMD > $W/$2.log 2>&1; echo EXIT \$? >> $W/$2.log" < /dev/null > /dev/null 2>&1 &
   echo "started $2: $CMD"
+  ;;
+train)  # foreground: one command; what it writes to $OUT comes back
+  mkdir -p "$OUT" $W/head-t
+  INIT=()
+  if [ -f $W/prev/model.safetensors ]; then  # from "stage 4": continue the head a previous slice trained
+    INIT=(--init-head $W/prev)
+    [ -f $W/prev/train_data.jsonl ] && [ ! -f $W/head-t/train_data.jsonl ] && cp $W/prev/train_data.jsonl $W/prev/synth_prompts.jsonl $W/head-t/ 2>/dev/null
+  fi
+  [ -f $W/originals.jsonl ] || gunzip -kf $W/originals.jsonl.gz
+  set -x
+  eval $JAXSPEC train-draft --model-path $MODEL --speculative-algorithm EAGLE3 --data $W/prompts.jsonl \
+    --num-samples 100000 --eval-samples ${EVAL:-64} --regenerate --synthesize ${SYNTH:-20000} --regen-samples 1 \
+    --regen-batch-size ${BATCH:-512} --regen-max-new-tokens ${NEW:-320} --max-len ${LEN:-640} \
+    --mix-original ${MIX:-11000} --mix-data $W/originals.jsonl --mix-skip 0 \
+    --steps 100000 --batch-size ${BS:-32} --lr 1e-3 --warmup 100 --clip 0.5 --ttt-steps ${TTT:-7} \
+    --draft-vocab-size 8192 --draft-vocab-coverage ${COVERAGE:-0.97} --draft-vocab-max 32768 \
+    --save-every 100000 --seed 0 --time-budget ${BUDGET:-450} --out $W/head-t "${INIT[@]}" 2>&1 | tee "$OUT/train.log"
+  rc=${PIPESTATUS[0]}
+  set +x
+  # one bundle (at most 8 files come back): the head, its eval and log, the answers for a later slice
+  (cd $W/head-t && cp "$OUT/train.log" . && tar -cf - $(ls config.json model.safetensors eval.json train_log.json \
+    loss.svg train.log train_data.jsonl synth_prompts.jsonl 2>/dev/null) | gzip -1 | split -b $PART -d - "$OUT/result.tgz.part")
+  rm -f "$OUT/train.log" && (cd "$OUT" && sha256sum result.tgz.part* > result.sha256)
+  ls -la "$OUT"
+  exit $rc
+  ;;
+unpack)  # DIR (the files that came back) -> HEAD, a loadable head directory with its answers beside it
+  (cd "$2" && sha256sum -c result.sha256) && mkdir -p "$3" && cat "$2"/result.tgz.part* | tar -xzf - -C "$3" && ls -la "$3"
+  ;;
+carry)  # DIR (an unpacked head) -> .gpu4, staged by "stage 4" for the next slice's "train"
+  mkdir -p "$REPO/.gpu4/prev" && cp "$2/config.json" "$2/model.safetensors" "$REPO/.gpu4/prev/" || exit 1
+  cp "$2/train_data.jsonl" "$2/synth_prompts.jsonl" "$REPO/.gpu4/prev/" 2>/dev/null
+  gzip -f "$REPO/.gpu4/prev/train_data.jsonl" 2>/dev/null; du -sh "$REPO/.gpu4"
   ;;
 wait)
   end=$(( $(date +%s) + $3 ))

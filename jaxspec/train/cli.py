@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 
 import numpy as np
 
@@ -23,8 +24,9 @@ from jaxspec.train.data import (
     split_held_out,
     tokenize,
 )
-from jaxspec.train.synth import CATEGORIES, evaluation_index, synthesize
+from jaxspec.train.synth import ANSWER_PARAMS, CATEGORIES, evaluation_index, synthesize
 from jaxspec.train.trainer import TrainConfig, Trainer
+from jaxspec.train.vocab import coverage, token_counts, vocab_for_coverage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,14 +85,41 @@ def add_parser(sub) -> None:
         help="dtype of the exported head",
     )
     t.add_argument(
+        "--init-head",
+        default=None,
+        help="start from the weights (and draft vocabulary) of a head written before, e.g. by an earlier run's "
+        "--out, with a fresh optimizer: a later run continues training where that one stopped",
+    )
+    t.add_argument(
+        "--time-budget",
+        type=float,
+        default=0.0,
+        help="seconds the whole run may take (0: no limit): synthesis and regeneration start no batch after "
+        "--regen-share of it, and training runs as many of --steps as fit in what is left, its learning-rate "
+        "schedule fitted to them (the steps are counted after every batch shape is compiled)",
+    )
+    t.add_argument(
+        "--regen-share", type=float, default=0.4, help="share of --time-budget for synthesis and regeneration"
+    )
+    t.add_argument(
         "--out", required=True, help="output directory: checkpoints, the exported head, train_log.json, loss.svg"
     )
     t.set_defaults(func=run)
 
 
+# With --time-budget, training stops this long (at most a tenth of the budget) before the end: held-out
+# evaluation and export.
+EXPORT_MARGIN_S = 30.0
+
+
 def run(args) -> int:
+    start = time.monotonic()
     if args.synthesize and not args.regenerate:
         raise JaxspecError("--synthesize writes prompts only; add --regenerate so that the target answers them")
+    if args.time_budget < 0 or not 0 < args.regen_share < 1:
+        raise JaxspecError("--time-budget must be >= 0 and --regen-share between 0 and 1")
+    budget = args.time_budget or None
+    data_deadline = start + budget * args.regen_share if budget else None
     path = resolve_model_path(args.model_path)
     target = load(path, "float32")
     os.makedirs(args.out, exist_ok=True)
@@ -133,6 +162,8 @@ def run(args) -> int:
                 batch=args.regen_batch_size,
                 seed=args.seed,
                 decontaminate=decontaminate,
+                # at most half the data phase: the prompts still need their answers
+                deadline=start + budget * args.regen_share / 2 if budget else None,
             )
             # the placeholder answer is replaced by the target's own
             tagged += [(c, [{"role": "user", "content": p}, {"role": "assistant", "content": "-"}]) for c, p in prompts]
@@ -148,6 +179,8 @@ def run(args) -> int:
             samples=args.regen_samples,
             temperature=args.regen_temperature,
             categories=[c for c, _ in tagged],
+            category_params=ANSWER_PARAMS,
+            deadline=data_deadline,
         )
         # the whole cache, earlier runs' answers included, so those are checked again
         tagged = clean(load_tagged(data_path), "cached conversations", lambda t: t[1])
@@ -168,7 +201,20 @@ def run(args) -> int:
     originals = [c for c in originals if first_user_turn(c) not in held_prompts]
     train += [e for e in (tokenize(target.tokenizer, c, args.max_len) for c in originals) if sum(e.mask) > 0]
     cfg = dataclasses.replace(from_namespace(TrainConfig, args), algorithm=args.speculative_algorithm)
-    tr = Trainer(target, open_source(path).config, train, cfg, args.out)
+    vocab_ids, answers = None, None
+    if cfg.algorithm == "EAGLE3" and cfg.draft_vocab_coverage > 0 and not args.init_head:
+        # the target's own answers (the regenerated ones; every training answer without --regenerate)
+        own = [tokenize(target.tokenizer, m, args.max_len) for _, m in train_tagged] if args.regenerate else train
+        answers = token_counts((np.asarray(e.ids)[np.asarray(e.mask) > 0] for e in own), target.cfg.vocab_size)
+        eos = [i for i in target.cfg.eos_token_ids if i < target.cfg.vocab_size]
+        vocab_ids = vocab_for_coverage(
+            answers, cfg.draft_vocab_coverage, cfg.draft_vocab_size, cfg.draft_vocab_max, always=eos
+        )
+        print(
+            f"draft vocabulary: {len(vocab_ids)} tokens cover {coverage(answers, vocab_ids):.4f} of the target's "
+            f"{answers.sum()} answer tokens (asked: {cfg.draft_vocab_coverage})"
+        )
+    tr = Trainer(target, open_source(path).config, train, cfg, args.out, vocab_ids=vocab_ids, init_head=args.init_head)
     resumed = tr.restore()
     print(
         f"{'resuming at step ' + str(tr.step) if resumed else 'starting'}: {len(train)} training conversations, "
@@ -176,7 +222,9 @@ def run(args) -> int:
     )
     held_ex = [e for _, e in held]
     before = tr.evaluate(held_ex) if held and not resumed else None
-    tr.train()
+    train_start = time.monotonic()
+    tr.train(deadline=start + budget - min(EXPORT_MARGIN_S, 0.1 * budget) if budget else None)
+    train_s = time.monotonic() - train_start
     after = tr.evaluate(held_ex) if held else None
     per_category = {c: tr.evaluate([e for cc, e in held if cc == c]) for c in sorted({c for c, _ in held})}
     tr.export(args.export_dtype)
@@ -186,7 +234,12 @@ def run(args) -> int:
         "held_out_per_category": per_category,
         "train_conversations": len(train),
         "steps": tr.step,
+        "sequences_seen": tr.step * cfg.batch_size,
+        "wall_s": {"data": round(train_start - start, 1), "train": round(train_s, 1)},
     }
+    if answers is not None:
+        summary["draft_vocab_size"] = len(tr.ids)
+        summary["draft_vocab_coverage_of_answers"] = coverage(answers, tr.ids)
     if tr.ids is not None and held:
         summary["draft_vocab_coverage"] = vocab_coverage(train, held_ex, target.cfg.vocab_size, tr.ids)
     with open(os.path.join(args.out, "eval.json"), "w") as f:

@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import time
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -181,6 +182,8 @@ def regenerate(
     samples: int = 0,
     temperature: float = 1.0,
     categories: list[str] | None = None,
+    category_params: dict[str, dict] | None = None,
+    deadline: float | None = None,
 ) -> list[list[dict]]:
     """Replaces each conversation by (its system/first user turn, the target's own greedy answer),
     plus `samples` answers drawn at `temperature` (seeded by the prompt's content and the sample, so
@@ -191,7 +194,12 @@ def regenerate(
     With `cache_path` (a .jsonl), every finished batch is appended at once, each line tagged with its
     prompt's key (`prompt_key`), its index in `convs` ("src", for reading), the answer ("k": 0
     greedy, then the samples) and its `categories` entry; a rerun skips the answers already there,
-    however `convs` is ordered or grown, so an interrupted regeneration loses at most one batch."""
+    however `convs` is ordered or grown, so an interrupted regeneration loses at most one batch.
+
+    category_params: extra sampling parameters for the answers of a category's prompts (e.g. a JSON
+    grammar); deadline: a time.monotonic() value after which no batch is started (the prompts left
+    are answered by a later run); with one, every greedy answer comes before any sampled one, and
+    the prompts are taken in the order of their keys, which mixes sources and categories."""
     done: set[tuple[str, int]] = set()
     got: dict[tuple[str, int], list[dict]] = {}
     too_long: set[str] = set()
@@ -228,13 +236,27 @@ def regenerate(
             too_long.add(key)  # recorded so that a rerun does not re-check it
             if cache_path:
                 _append(cache_path, {"key": key, "src": n, "k": 0, "too_long": True, "messages": None})
+    if deadline is not None:  # whatever the deadline leaves unanswered: greedy answers first, prompts mixed
+        todo.sort(key=lambda t: (t[1], t[0]))
+    extra = category_params or {}
     for s in tqdm(range(0, len(todo), batch), desc="regenerating answers with the target", unit="batch"):
+        if s and deadline is not None and time.monotonic() >= deadline:  # the first batch always runs
+            break
         chunk = todo[s : s + batch]
         params = [
-            {"temperature": 0, "max_new_tokens": max_new_tokens}
-            if j == 0
-            else {"temperature": temperature, "max_new_tokens": max_new_tokens, "seed": int(key[:7], 16) * 16 + j}
-            for key, j, _, _ in chunk
+            {
+                **(
+                    {"temperature": 0, "max_new_tokens": max_new_tokens}
+                    if j == 0
+                    else {
+                        "temperature": temperature,
+                        "max_new_tokens": max_new_tokens,
+                        "seed": int(key[:7], 16) * 16 + j,
+                    }
+                ),
+                **extra.get(categories[n] if categories else "", {}),
+            }
+            for key, j, _, n in chunk
         ]
         res = engine.chat([p for _, _, p, _ in chunk], params)
         recs = []

@@ -14,7 +14,8 @@ ever trained on.
 
 Every attempt is appended to `cache_path` as soon as its batch finishes (kept or with the reason it
 was dropped), and attempt i of a category always uses the same seed, so an interrupted run resumes
-where it stopped and a rerun reproduces the same prompts.
+where it stopped and a rerun reproduces the same prompts. Categories take turns, one batch each, so
+a run stopped early (or by a deadline) is spread over all of them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import math
 import os
 import re
+import time
 import zlib
 from collections.abc import Sequence
 
@@ -42,7 +44,11 @@ CATEGORIES: dict[str, str] = {
     "extraction": "You are a helpful assistant. The user gives you a text and asks you to extract, summarise or reformat information from it.",
     "stem": "You are a helpful assistant. The user asks a question about science, technology, engineering or medicine.",
     "humanities": "You are a helpful assistant. The user asks a question about history, philosophy, economics, law, art or society.",
+    "json": "You are a helpful assistant. The user asks for structured data: a JSON object describing something (a person, a product, an event, a record or a list of items), naming the fields it should have.",
 }
+# Extra sampling parameters for the answers to a category's prompts: "json" prompts are answered
+# under a JSON grammar, so the data holds the compact JSON a server writes under response_format.
+ANSWER_PARAMS: dict[str, dict] = {"json": {"json_schema": '{"type": "object"}'}}
 SENTINEL = "\u2063JAXSPEC_USER_TURN\u2063"  # never produced by a tokenizer's template on its own
 SHINGLE = 3  # words per shingle for near-duplicate detection
 
@@ -172,11 +178,13 @@ def synthesize(
     seed: int = 0,
     max_attempts_per_prompt: int = 4,
     decontaminate: bool = True,
+    deadline: float | None = None,
 ) -> list[tuple[str, str]]:
     """Up to `count` new user prompts written by the target, spread evenly over `categories` (default
     all of CATEGORIES): [(category, prompt)] in a stable order. A category stops after
     max_attempts_per_prompt x its share of attempts, so a model that mostly writes unusable text
-    ends the run instead of looping. decontaminate: drop prompts near an evaluation question."""
+    ends the run instead of looping. decontaminate: drop prompts near an evaluation question.
+    deadline: a time.monotonic() value after which no batch is started."""
     cats = list(categories or CATEGORIES)
     unknown = [c for c in cats if c not in CATEGORIES]
     if unknown:
@@ -201,12 +209,15 @@ def synthesize(
     stops = {c: user_turn_prefix(tok, CATEGORIES[c]) for c in cats}
     total = sum(quota.values())
     bar = tqdm(total=total, initial=sum(len(v) for v in kept.values()), desc="synthesizing prompts", unit="prompt")
-    for c in cats:
-        prefix, end = stops[c]
-        ids = engine._encode(prefix, False)
-        limit = max_attempts_per_prompt * max(quota[c], 1)
-        while len(kept[c]) < quota[c] and tried[c] < limit:
-            n = min(batch, limit - tried[c], math.ceil((quota[c] - len(kept[c])) * 1.5))
+    limit = {c: max_attempts_per_prompt * max(quota[c], 1) for c in cats}
+
+    def busy(c: str) -> bool:
+        return len(kept[c]) < quota[c] and tried[c] < limit[c]
+
+    while any(busy(c) for c in cats):  # a deadline is checked after each batch: the first always runs
+        for c in filter(busy, cats):
+            prefix, end = stops[c]
+            n = min(batch, limit[c] - tried[c], math.ceil((quota[c] - len(kept[c])) * 1.5))
             first = tried[c]
             params = [
                 {
@@ -218,7 +229,7 @@ def synthesize(
                 }
                 for j in range(n)
             ]
-            res = engine.generate(input_ids=[ids] * n, sampling_params=params)
+            res = engine.generate(input_ids=[engine._encode(prefix, False)] * n, sampling_params=params)
             recs = []
             for j, r in enumerate(res):
                 text, why = clean_prompt(r["text"], r["meta_info"]["finish_reason"]["type"], special)
@@ -237,5 +248,9 @@ def synthesize(
             if cache_path:
                 with open(cache_path, "a") as f:
                     f.writelines(json.dumps(r) + "\n" for r in recs)
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        if deadline is not None and time.monotonic() >= deadline:
+            break
     bar.close()
     return [(c, p) for c in cats for p in kept[c]]

@@ -5,6 +5,12 @@ draft loss (losses.py) -> AdamW with linear warmup + cosine decay and global-nor
 Orbax checkpoints (params, optimizer state, step) every `save_every` steps under OUT/ckpt; a rerun
 with the same OUT resumes. At the end the head is written in the public layout (config.json +
 bf16 model.safetensors) that jaxspec and SGLang load, with train_log.json and loss.svg beside it.
+
+With a deadline (`train(deadline=...)`), the run plans as many of its `steps` as fit: every length
+bucket is compiled first, then the step rate is measured and the learning-rate schedule is fitted to
+the steps that fit, re-planned as the rate is measured again. `init_head` starts from the weights
+(and draft vocabulary) of a head written before, so a later run continues where an earlier one
+stopped, with a fresh optimizer.
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ from jaxspec.args import flag
 from jaxspec.cache import KVCache
 from jaxspec.errors import JaxspecError
 from jaxspec.models.eagle import build_eagle, eagle3_capture_layers, eagle_config, eagle_key
-from jaxspec.models.params import module_tensors
+from jaxspec.models.params import load_module, module_tensors
 from jaxspec.train.data import Example, draft_vocab, pad_batch
 from jaxspec.train.losses import eagle2_loss, eagle3_ttt_loss
 
 LM_HEAD_INIT_SCALE = 0.25  # EAGLE-3 warm start: draft LM head = this x the target's rows
 LENGTH_BUCKET = 128  # training batches are padded to a multiple of this (at most max_len)
+PLAN_EVERY = 25  # with a deadline, the steps that fit are re-planned every this many steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +55,29 @@ class TrainConfig:
     weight_decay: float = flag(0.0, "AdamW weight decay")
     clip: float = flag(0.5, "global gradient-norm clip")
     ttt_steps: int = flag(4, "EAGLE-3 training-time-test depth")
-    draft_vocab_size: int = flag(8192, "EAGLE-3 draft vocabulary (most frequent assistant tokens)")
+    draft_vocab_size: int = flag(
+        8192, "EAGLE-3 draft vocabulary (most frequent assistant tokens); with --draft-vocab-coverage, the least"
+    )
+    draft_vocab_coverage: float = flag(
+        0.0,
+        "choose the EAGLE-3 draft vocabulary by coverage instead: the fewest most-frequent tokens (a multiple of "
+        "256, between --draft-vocab-size and --draft-vocab-max) covering this share of the target's own answer "
+        "tokens (the regenerated answers; all training answers without --regenerate); 0: off",
+    )
+    draft_vocab_max: int = flag(32768, "the largest draft vocabulary --draft-vocab-coverage may choose")
     save_every: int = flag(200, "orbax checkpoint interval (steps)")
     seed: int = flag(0, "initialisation and data-order seed")
+
+
+def _read_head(path: str, algorithm: str) -> dict[str, np.ndarray]:
+    """The tensors of a head written before (public layout), checked to be of `algorithm`'s kind."""
+    from convert.sources import open_source
+
+    src = open_source(path)
+    kind = eagle_config(src.config)[0] if src.kind == "eagle" else None
+    if kind != algorithm:
+        raise JaxspecError(f"--init-head {path} is not an {algorithm} head (it is {kind or src.kind})")
+    return {n: src.get(n) for n in src.names}
 
 
 def draft_hf_config(target_cfg_dict: dict, algorithm: str, draft_vocab_size: int | None) -> dict:
@@ -91,8 +118,18 @@ def draft_hf_config(target_cfg_dict: dict, algorithm: str, draft_vocab_size: int
 
 class Trainer:
     def __init__(
-        self, target, target_cfg_dict: dict, examples: list[Example], cfg: TrainConfig, out: str, progress: bool = True
+        self,
+        target,
+        target_cfg_dict: dict,
+        examples: list[Example],
+        cfg: TrainConfig,
+        out: str,
+        progress: bool = True,
+        vocab_ids: np.ndarray | None = None,
+        init_head: str | None = None,
     ):
+        """vocab_ids: the EAGLE-3 draft vocabulary (sorted target ids; default: the cfg.draft_vocab_size
+        most frequent answer tokens); init_head: a head directory to start from (its vocabulary wins)."""
         if cfg.algorithm not in ("EAGLE", "EAGLE3"):
             raise JaxspecError(f"train-draft supports EAGLE and EAGLE3, not {cfg.algorithm}")
         if not examples:
@@ -101,9 +138,15 @@ class Trainer:
         self.examples = examples
         tcfg = target.cfg
         self.ids = None
+        init = _read_head(init_head, cfg.algorithm) if init_head else None
         if cfg.algorithm == "EAGLE3":
             eos = [i for i in tcfg.eos_token_ids if i < tcfg.vocab_size]
-            self.ids = draft_vocab(examples, cfg.draft_vocab_size, tcfg.vocab_size, always=eos)
+            if init is not None:
+                d2t = np.asarray(init["d2t"], np.int64)
+                vocab_ids = (np.arange(len(d2t)) + d2t).astype(np.int32)
+            elif vocab_ids is None:
+                vocab_ids = draft_vocab(examples, cfg.draft_vocab_size, tcfg.vocab_size, always=eos)
+            self.ids = np.asarray(vocab_ids, np.int32)
         self.hf_config = draft_hf_config(target_cfg_dict, cfg.algorithm, None if self.ids is None else len(self.ids))
         kind, dcfg, extra = eagle_config(self.hf_config)
         head = build_eagle(kind, dcfg, extra, jnp.float32, nnx.Rngs(cfg.seed))
@@ -114,18 +157,31 @@ class Trainer:
             # confidently wrong (copying the target's output norm too made the initial loss ~4x log V).
             w = target.model.embed_tokens[...] if target.model.lm_head is None else target.model.lm_head.kernel[...].T
             head.lm_head.kernel[...] = LM_HEAD_INIT_SCALE * jnp.asarray(w[jnp.asarray(self.ids)].T, jnp.float32)
+        if init is not None:
+            head = load_module(
+                lambda: build_eagle(kind, dcfg, extra, jnp.float32, nnx.Rngs(cfg.seed)),
+                eagle_key,
+                init,
+                init.__getitem__,
+                jnp.float32,
+                progress=False,
+                ignore=lambda n: n in ("t2d", "embed_tokens.weight") or n.endswith("rotary_emb.inv_freq"),
+            )
         self.graphdef, self.params, self.rest = nnx.split(head, nnx.Param, ...)
         self.capture = eagle3_capture_layers(tcfg) if kind == "EAGLE3" else ()
-        sched = optax.warmup_cosine_decay_schedule(
-            0.0, cfg.lr, max(cfg.warmup, 1), max(cfg.steps, cfg.warmup + 1), cfg.lr * 0.1
+        # AdamW with the learning rate applied in the update (it is an argument of the step), so that a
+        # deadline can re-plan the schedule without recompiling
+        self.tx = optax.chain(
+            optax.clip_by_global_norm(cfg.clip), optax.scale_by_adam(), optax.add_decayed_weights(cfg.weight_decay)
         )
-        self.tx = optax.chain(optax.clip_by_global_norm(cfg.clip), optax.adamw(sched, weight_decay=cfg.weight_decay))
         self.opt_state = self.tx.init(self.params)
+        self.planned = cfg.steps  # the steps the schedule spans (fewer when a deadline cuts the run)
         self.step = 0
         self.log: list[dict] = []
         self._tgt_graphdef, self._tgt_params = nnx.split(target.model)
         self._features = jax.jit(self._features_impl)
         self._update = jax.jit(self._update_impl, donate_argnums=(0, 1))
+        self._eval_loss = jax.jit(self._loss)  # one program for every evaluation (held-out, per category)
 
     # ---- jitted pieces --------------------------------------------------------------------------
 
@@ -149,17 +205,26 @@ class Trainer:
             return eagle3_ttt_loss(head, embed, ids, feats, tlogits, mask, self.cfg.ttt_steps)
         return eagle2_loss(head, embed, tgt.logits, ids, feats, tlogits, mask)
 
-    def _update_impl(self, params, opt_state, rest, tparams, ids, mask):
+    def _update_impl(self, params, opt_state, rest, tparams, ids, mask, lr):
         feats, tlogits = jax.lax.stop_gradient(self._features_impl(tparams, ids))
         (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(
             params, rest, tparams, ids, mask, feats, tlogits
         )
         updates, opt_state = self.tx.update(grads, opt_state, params)
+        updates = jax.tree.map(lambda u: -lr * u, updates)
         return optax.apply_updates(params, updates), opt_state, loss, metrics
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup to cfg.lr, then cosine decay to a tenth of it at `self.planned` steps."""
+        warm, total = max(self.cfg.warmup, 1), max(self.planned, self.cfg.warmup + 1)
+        if step < warm:
+            return self.cfg.lr * step / warm
+        frac = min((step - warm) / max(total - warm, 1), 1.0)
+        return self.cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
     def evaluate(self, examples: list[Example]) -> dict:
         """Mean loss/accuracy per test step on held-out examples (no update)."""
-        loss_fn = jax.jit(self._loss)
+        loss_fn = self._eval_loss
         sums: dict = {}
         n = 0
         for s in range(0, len(examples), self.cfg.batch_size):
@@ -224,8 +289,12 @@ class Trainer:
         mgr.wait_until_finished()
         self._write_log()
 
-    def train(self) -> list[dict]:
+    def train(self, deadline: float | None = None) -> list[dict]:
+        """Runs the steps from `self.step` to cfg.steps, or as many as fit before `deadline` (a
+        time.monotonic() value), leaving the schedule fitted to them; returns the log."""
         os.makedirs(self.out, exist_ok=True)
+        if deadline is not None:
+            self._compile_buckets()
         bar = tqdm(
             total=self.cfg.steps,
             initial=self.step,
@@ -234,15 +303,29 @@ class Trainer:
             disable=not self.progress,
         )
         t0 = time.perf_counter()
+        timed: list[tuple[int, float]] = []  # (step, monotonic time) of the steps since the last plan
+        first = len(self.log)
         for step, (ids, mask) in self._batches():
+            if deadline is not None:
+                timed.append((step, time.monotonic()))
+                if len(self.log) > first and (step >= self.planned or timed[-1][1] >= deadline):
+                    break  # (one step at least, however late it starts)
+                if len(timed) >= PLAN_EVERY:
+                    rate = (len(timed) - 1) / max(timed[-1][1] - timed[0][1], 1e-6)
+                    self.planned = min(self.cfg.steps, step + int(rate * (deadline - timed[-1][1])))
+                    timed = timed[-1:]
+                    bar.total = max(self.planned, step)
+                    bar.refresh()
+            lr = jnp.float32(self.lr_at(step))
             self.params, self.opt_state, loss, m = self._update(
-                self.params, self.opt_state, self.rest, self._tgt_params, jnp.asarray(ids), jnp.asarray(mask)
+                self.params, self.opt_state, self.rest, self._tgt_params, jnp.asarray(ids), jnp.asarray(mask), lr
             )
             self.step = step + 1
             row = {
                 "step": self.step,
                 "loss": float(loss),
                 **{k: float(v) for k, v in m.items()},
+                "lr": float(lr),
                 "time_s": time.perf_counter() - t0,
             }
             self.log.append(row)
@@ -253,7 +336,26 @@ class Trainer:
             if self.step % self.cfg.save_every == 0 or self.step == self.cfg.steps:
                 self.save()
         bar.close()
+        if self.log and self.log[-1]["step"] % self.cfg.save_every and self.step < self.cfg.steps:
+            self.save()  # a deadline stopped the run between checkpoints
         return self.log
+
+    def _compile_buckets(self) -> None:
+        """Compiles the update for every batch length the data will use (one step each on copies of
+        the state, thrown away), so that the step rate measured after it is the steady one."""
+        lens = sorted(
+            {
+                min(self.cfg.max_len, -(-min(len(e.ids), self.cfg.max_len) // LENGTH_BUCKET) * LENGTH_BUCKET)
+                for e in self.examples
+            }
+        )
+        for length in lens:
+            ids = jnp.zeros((min(self.cfg.batch_size, len(self.examples)), length), jnp.int32)
+            copy = jax.tree.map(jnp.copy, (self.params, self.opt_state))
+            out = self._update(
+                *copy, self.rest, self._tgt_params, ids, jnp.ones(ids.shape, jnp.float32), jnp.float32(0.0)
+            )
+            jax.block_until_ready(out)
 
     # ---- output -----------------------------------------------------------------------------------
 
