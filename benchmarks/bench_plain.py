@@ -1,10 +1,14 @@
 """Plain decoding, batch 1: jaxspec vs HF transformers `generate`, same weights, same run.
 
-    python benchmarks/bench_plain.py [--prompts 10] [--new 128] [--dtype float32]
+    python benchmarks/bench_plain.py [--prompts 10] [--new 128] [--dtype float32] [--hf eager compiled]
 
 Both decode exactly --new tokens (EOS ignored) greedily for MT-bench first-turn questions in the
 chat template; tokens/s = new tokens / end-to-end latency (prefill included). Also prints the
 memory-bandwidth roofline: weight bytes read per token / measured copy bandwidth.
+
+HF modes (--hf, several allowed): `eager` (a dynamic cache), `static` (a static KV cache),
+`compiled` (a static cache and `torch.compile(mode="reduce-overhead")`, which replays CUDA graphs on
+a GPU: what a user who wants HF fast would pick). torch runs on the GPU when it has one.
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ def main():
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf", nargs="+", default=["eager"], choices=["eager", "static", "compiled"], help="HF modes")
+    ap.add_argument("--model-path", default=None, help="HF/jaxspec checkpoint (default: SmolLM2-135M-Instruct)")
     args = ap.parse_args()
 
     import jaxspec
 
-    eng = jaxspec.Engine(dtype=args.dtype, show_progress=False, speculative_algorithm="NONE")
+    eng = jaxspec.Engine(args.model_path, dtype=args.dtype, show_progress=False, speculative_algorithm="NONE")
     questions = mtbench_first_turns(args.prompts)
     ids = [eng._encode(eng.apply_chat_template([{"role": "user", "content": q}]), False) for q in questions]
     sp = {"temperature": 0, "max_new_tokens": args.new, "ignore_eos": True}
@@ -42,24 +48,13 @@ def main():
         ours.append(args.new / r["meta_info"]["e2e_latency"])
         ours_out.append(r["output_ids"])
 
-    hf_tps, same = [], 0
+    hf_rows = {}
     if not args.skip_hf:
-        import torch
-        from transformers import AutoModelForCausalLM
-
         from jaxspec.default_model import default_model_path
 
-        torch.set_num_threads(2)
-        dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-        hf = AutoModelForCausalLM.from_pretrained(default_model_path(progress=False), dtype=dt).eval()
-        gen = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=2)
-        with torch.no_grad():
-            hf.generate(torch.tensor([ids[0]]), **gen)  # warm-up
-            for x, o in zip(ids, ours_out):
-                t = time.perf_counter()
-                out = hf.generate(torch.tensor([x]), **gen)
-                hf_tps.append(args.new / (time.perf_counter() - t))
-                same += out[0, len(x) :].tolist() == o
+        path = args.model_path or default_model_path(progress=False)
+        for mode in args.hf:
+            hf_rows[mode] = hf_decode(path, mode, args.dtype, ids, ours_out, args.new)
 
     weight_bytes = sum(np.asarray(v).nbytes for v in __import__("jax").tree_util.tree_leaves(eng.params))
     bw = copy_bandwidth()
@@ -81,11 +76,46 @@ def main():
     print("| engine | median tok/s | min | max | % of roofline |")
     print("|---|---|---|---|---|")
     print(f"| jaxspec | {med(ours):.1f} | {min(ours):.1f} | {max(ours):.1f} | {100 * med(ours) / roof:.0f}% |")
-    if hf_tps:
+    for mode, (tps, _) in hf_rows.items():
+        name = f"HF transformers {__import__('transformers').__version__}, {mode}"
+        print(f"| {name} | {med(tps):.1f} | {min(tps):.1f} | {max(tps):.1f} | {100 * med(tps) / roof:.0f}% |")
+    for mode, (tps, same) in hf_rows.items():
         print(
-            f"| HF transformers {__import__('transformers').__version__} | {med(hf_tps):.1f} | {min(hf_tps):.1f} | {max(hf_tps):.1f} | {100 * med(hf_tps) / roof:.0f}% |"
+            f"speedup jaxspec / HF {mode} (median): {med(ours) / med(tps):.2f}x; identical outputs: {same}/{len(ids)}"
         )
-        print(f"speedup jaxspec / HF (median): {med(ours) / med(hf_tps):.2f}x; identical outputs: {same}/{len(ids)}")
+
+
+def hf_decode(path: str, mode: str, dtype: str, ids: list, ours_out: list, new: int) -> tuple[list[float], int]:
+    """HF `generate` in one mode over the prompts (one warm-up pass first: compiles and captures
+    graphs): (tokens/s per prompt, how many outputs equal jaxspec's)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu":
+        torch.set_num_threads(2)
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    if dev == "cuda" and dt == torch.float32:
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32 as jaxspec computes it
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dt).to(dev).eval()
+    gen = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=2)
+    if mode in ("static", "compiled"):
+        gen["cache_implementation"] = "static"
+    if mode == "compiled":
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    tps, same = [], 0
+    with torch.no_grad():
+        for x in ids[:2]:  # warm-up: compiles and captures the graphs of both prompt lengths' shapes
+            hf.generate(torch.tensor([x], device=dev), **gen)
+        for x, o in zip(ids, ours_out):
+            sync()
+            t = time.perf_counter()
+            out = hf.generate(torch.tensor([x], device=dev), **gen)
+            sync()
+            tps.append(new / (time.perf_counter() - t))
+            same += out[0, len(x) :].tolist() == o
+    return tps, same
 
 
 if __name__ == "__main__":

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from jaxspec.errors import JaxspecError
-from jaxspec.sampling import SamplingParams
+from jaxspec.xla_flags import apply_gpu_defaults
+
+apply_gpu_defaults()  # before any JAX backend starts: XLA reads XLA_FLAGS once (jaxspec/xla_flags.py)
+
+from jaxspec.errors import JaxspecError  # noqa: E402
+from jaxspec.sampling import SamplingParams  # noqa: E402
 
 if TYPE_CHECKING:
     from jaxspec.engine import Engine, generate

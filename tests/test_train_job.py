@@ -1,7 +1,7 @@
 """The GPU draft-training job (`benchmarks/gpu/smollm2_drafts.sh train`) at toy size on the CPU: the
 same script and flags, a tiny random target with SmolLM2's tokenizer, a budget of seconds. It must
 end within its budget, choose the draft vocabulary by coverage, send back a head that loads and stays
-lossless, and continue from that head on a later run (stage 4) without answering prompts again."""
+lossless, and continue from that head on a later run (stages 4 and 5) without answering prompts again."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def test_the_gpu_training_job_runs_at_toy_size_and_continues(toy, tmp_path):
     from jaxspec.train.synth import CATEGORIES
 
     tried = list(dict.fromkeys(json.loads(line)["category"] for line in open(head / "synth_prompts.jsonl")))
-    assert len(tried) >= 2 and tried == list(CATEGORIES)[: len(tried)]
+    assert tried and tried == list(CATEGORIES)[: len(tried)]  # (how many: as the deadline allowed)
 
     # the head loads like any other and stays lossless
     from jaxspec.engine import Engine
@@ -119,14 +119,15 @@ def test_the_gpu_training_job_runs_at_toy_size_and_continues(toy, tmp_path):
         o["output_ids"] for o in plain.generate(input_ids=ids, sampling_params=sp)
     ]
 
-    # the next slice: carry the head and its answers back (.gpu4), stage them, train again from them
-    repo_gpu4 = os.path.join(REPO, ".gpu4")
-    assert not os.path.exists(repo_gpu4), "a real .gpu4 is in the way"
+    # the next slice: carry the head and its answers back (.gpu4, .gpu5), stage them, train again from them
+    pieces = [os.path.join(REPO, f".gpu{n}") for n in (4, 5)]
+    assert not any(map(os.path.exists, pieces)), "a real .gpu4 or .gpu5 is in the way"
     try:
         assert _job("carry", str(head), env=env).returncode == 0
-        assert _job("stage", "4", env=env).returncode == 0
+        assert _job("stage", "4", env=env).returncode == 0 and _job("stage", "5", env=env).returncode == 0
     finally:
-        shutil.rmtree(repo_gpu4, ignore_errors=True)
+        for p in pieces:
+            shutil.rmtree(p, ignore_errors=True)
     shutil.rmtree(w / "head-t")
     r = _job("train", env={**env, "OUT": str(tmp_path / "out2"), "BUDGET": "30"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

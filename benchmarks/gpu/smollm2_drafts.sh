@@ -19,8 +19,9 @@
 #                        # (TTT depth 7) until the time budget, and $OUT receives one gzipped tar in <= 15 MiB
 #                        # parts: the head, eval.json, the logs and the answers
 #   bash benchmarks/gpu/smollm2_drafts.sh unpack DIR HEAD   # dev machine: DIR (the files that came back) -> HEAD
-#   bash benchmarks/gpu/smollm2_drafts.sh carry DIR    # dev machine: DIR's head and answers into .gpu4, so that
-#                        # the next GPU slice ("stage 4" before "train") continues training that head on the same
+#   bash benchmarks/gpu/smollm2_drafts.sh carry DIR    # dev machine: DIR's head into .gpu4 and its answers into
+#                        # .gpu5 (each piece and the working tree must fit one call's 64 MiB), so that the next GPU
+#                        # slice ("stage 4", "stage 5" before "train") continues training that head on the same
 #                        # answers (regeneration then only answers prompts not answered before)
 #   Sizes: BUDGET (seconds for train-draft, default 450), SYNTH (prompts the target writes, 20000), BATCH (512).
 #
@@ -99,11 +100,14 @@ start)
 train)  # foreground: one command; what it writes to $OUT comes back
   mkdir -p "$OUT" $W/head-t
   INIT=()
-  if [ -f $W/prev/model.safetensors ]; then  # from "stage 4": continue the head a previous slice trained
+  if [ -f $W/prev/model.safetensors ]; then  # from "stage 4" (and 5): continue the head a previous slice trained
     INIT=(--init-head $W/prev)
     [ -f $W/prev/train_data.jsonl ] && [ ! -f $W/head-t/train_data.jsonl ] && cp $W/prev/train_data.jsonl $W/prev/synth_prompts.jsonl $W/head-t/ 2>/dev/null
   fi
   [ -f $W/originals.jsonl ] || gunzip -kf $W/originals.jsonl.gz
+  # the XLA flags the shipped heads were trained with: CUDA graphs over whole loops (jaxspec's GPU
+  # default, jaxspec/xla_flags.py) are measured by round_bisect.py, not risked in a training slice
+  export JAXSPEC_GPU_XLA_DEFAULTS=0
   set -x
   eval $JAXSPEC train-draft --model-path $MODEL --speculative-algorithm EAGLE3 --data $W/prompts.jsonl \
     --num-samples 100000 --eval-samples ${EVAL:-64} --regenerate --synthesize ${SYNTH:-20000} --regen-samples 1 \
@@ -124,10 +128,11 @@ train)  # foreground: one command; what it writes to $OUT comes back
 unpack)  # DIR (the files that came back) -> HEAD, a loadable head directory with its answers beside it
   (cd "$2" && sha256sum -c result.sha256) && mkdir -p "$3" && cat "$2"/result.tgz.part* | tar -xzf - -C "$3" && ls -la "$3"
   ;;
-carry)  # DIR (an unpacked head) -> .gpu4, staged by "stage 4" for the next slice's "train"
-  mkdir -p "$REPO/.gpu4/prev" && cp "$2/config.json" "$2/model.safetensors" "$REPO/.gpu4/prev/" || exit 1
-  cp "$2/train_data.jsonl" "$2/synth_prompts.jsonl" "$REPO/.gpu4/prev/" 2>/dev/null
-  gzip -f "$REPO/.gpu4/prev/train_data.jsonl" 2>/dev/null; du -sh "$REPO/.gpu4"
+carry)  # DIR (an unpacked head) -> .gpu4 (the head) and .gpu5 (its answers), staged by "stage 4" and "stage 5"
+  mkdir -p "$REPO/.gpu4/prev" "$REPO/.gpu5/prev" && cp "$2/config.json" "$2/model.safetensors" "$REPO/.gpu4/prev/" || exit 1
+  cp "$2/synth_prompts.jsonl" "$REPO/.gpu4/prev/" 2>/dev/null
+  gzip -c "$2/train_data.jsonl" > "$REPO/.gpu5/prev/train_data.jsonl.gz" 2>/dev/null || rm -rf "$REPO/.gpu5"
+  du -sh "$REPO"/.gpu[45]
   ;;
 wait)
   end=$(( $(date +%s) + $3 ))
