@@ -244,9 +244,10 @@ def test_deadlines_stop_after_one_batch_and_json_prompts_get_a_grammar(tmp_path)
     cats = ["json", "math"] * 3
     eng = Scripted(None)
     out = regenerate(eng, convs, 8, batch=4, samples=1, categories=cats, category_params=ANSWER_PARAMS, deadline=late)
-    assert len(eng.calls) == 1 and len(out) == 4
+    assert len(eng.calls) == 1 and len(out) == len(eng.calls[0]) == 3  # the greedy answers of one kind
     assert all(p["temperature"] == 0 for p in eng.calls[0])  # greedy answers come first under a deadline
     eng = Scripted(None)
     regenerate(eng, convs, 8, batch=4, samples=1, categories=cats, category_params=ANSWER_PARAMS)
     asked = [p for c in eng.calls for p in c]
     assert len(asked) == 12 and sum("json_schema" in p for p in asked) == 6  # the json prompts' answers
+    assert all(len({"json_schema" in p for p in call}) == 1 for call in eng.calls)  # constrained in batches apart

@@ -48,6 +48,8 @@ prepare)
   $P -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu1 \
     $($P -m pip list --format=freeze 2>/dev/null | grep -iE '^(pydantic|pydantic[-_]core|annotated[-_]types|typing[-_]inspection)==')
+  # llguidance (constrained decoding) is not in the GPU image either: its abi3 wheel serves Python 3.12
+  $P -m pip download -q --no-deps --only-binary=:all: -d .gpu1 "llguidance==$($P -c 'import importlib.metadata as m; print(m.version("llguidance"))')"
   G=$($P -c "from jaxspec.default_model import default_gguf_path; print(default_gguf_path())")
   split -n 3 -d "$G" /tmp/gg. && mv /tmp/gg.00 .gpu1/ && mv /tmp/gg.01 .gpu2/ && mv /tmp/gg.02 .gpu3/ && du -sh .gpu*
   ;;

@@ -179,7 +179,7 @@ def run(args) -> int:
             samples=args.regen_samples,
             temperature=args.regen_temperature,
             categories=[c for c, _ in tagged],
-            category_params=ANSWER_PARAMS,
+            category_params=ANSWER_PARAMS if _can_constrain() else None,
             deadline=data_deadline,
         )
         # the whole cache, earlier runs' answers included, so those are checked again
@@ -247,6 +247,16 @@ def run(args) -> int:
     print(json.dumps(summary, indent=2))
     print(f"wrote the {args.speculative_algorithm} head to {args.out} (use --speculative-draft-model-path {args.out})")
     return 0
+
+
+def _can_constrain() -> bool:
+    """Whether constrained decoding is installed (llguidance); without it "json" prompts are answered freely."""
+    import importlib.util
+
+    if importlib.util.find_spec("llguidance") is not None:
+        return True
+    print("llguidance is not installed: prompts of the json category are answered without a JSON grammar")
+    return False
 
 
 def vocab_coverage(train: list[Example], held: list[Example], vocab_size: int, trained) -> dict[str, float]:

@@ -239,10 +239,17 @@ def regenerate(
     if deadline is not None:  # whatever the deadline leaves unanswered: greedy answers first, prompts mixed
         todo.sort(key=lambda t: (t[1], t[0]))
     extra = category_params or {}
-    for s in tqdm(range(0, len(todo), batch), desc="regenerating answers with the target", unit="batch"):
-        if s and deadline is not None and time.monotonic() >= deadline:  # the first batch always runs
+    # answers with extra parameters (a grammar) go in batches of their own, since one constrained row
+    # puts the whole batch through the grammar's host callbacks; under a deadline greedy and sampled
+    # answers apart too (greedy ones first)
+    kind = lambda t: (
+        categories[t[3]] if categories and categories[t[3]] in extra else "",
+        deadline is not None and t[1] > 0,
+    )
+    batches = _homogeneous_batches(todo, batch, kind)
+    for k, chunk in enumerate(tqdm(batches, desc="regenerating answers with the target", unit="batch")):
+        if k and deadline is not None and time.monotonic() >= deadline:  # the first batch always runs
             break
-        chunk = todo[s : s + batch]
         params = [
             {
                 **(
@@ -269,6 +276,17 @@ def regenerate(
         if cache_path:
             _append(cache_path, *recs)
     return [got[(key, j)] for key in order for j in range(samples + 1) if (key, j) in got]
+
+
+def _homogeneous_batches(rows: list, size: int, kind) -> list[list]:
+    """`rows` in batches of at most `size` whose rows share kind(row), in the order of each batch's
+    first row (so one kind of row alone gives the plain consecutive batches)."""
+    groups: dict = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(kind(r), []).append((i, r))
+    out = [g[s : s + size] for g in groups.values() for s in range(0, len(g), size)]
+    out.sort(key=lambda b: b[0][0])
+    return [[r for _, r in b] for b in out]
 
 
 def _append(path: str, *records: dict) -> None:
