@@ -140,7 +140,7 @@ def main():
             kw["speculative_attention_mode"] = "decode"
         if "target-only" in modes:
             kw["_draft_sampling"] = False
-        configs.append((name, kw))
+        configs.append((f"{name} ({os.path.basename(path.rstrip('/'))})" if path else name, kw))
     if args.compare_layouts:
         configs += [(f"{name} (in-major)", {**kw, "_out_major": False}) for name, kw in configs]
     engines = [(name, jaxspec.Engine(**common_kw, **kw)) for name, kw in configs]

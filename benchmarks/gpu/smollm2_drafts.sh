@@ -23,7 +23,7 @@
 #                        # .gpu5 (each piece and the working tree must fit one call's 64 MiB), so that the next GPU
 #                        # slice ("stage 4", "stage 5" before "train") continues training that head on the same
 #                        # answers (regeneration then only answers prompts not answered before)
-#   Sizes: BUDGET (seconds for train-draft, default 450), SYNTH (prompts the target writes, 20000), BATCH (512).
+#   Sizes: BUDGET (seconds for train-draft, default 420; with "stage 3" before it the command stays under 10 min), SYNTH (prompts the target writes, 20000), BATCH (512).
 #
 # Everything lives in $W (default /root/w; kept while the machine stays warm between calls).
 set -uo pipefail
@@ -109,13 +109,14 @@ train)  # foreground: one command; what it writes to $OUT comes back
   # default, jaxspec/xla_flags.py) are measured by round_bisect.py, not risked in a training slice
   export JAXSPEC_GPU_XLA_DEFAULTS=0
   set -x
-  eval $JAXSPEC train-draft --model-path $MODEL --speculative-algorithm EAGLE3 --data $W/prompts.jsonl \
+  # (a run past its budget is stopped, so that the answers still come back for the next slice)
+  eval timeout $(( ${BUDGET:-420} + 90 )) $JAXSPEC train-draft --model-path $MODEL --speculative-algorithm EAGLE3 --data $W/prompts.jsonl \
     --num-samples 100000 --eval-samples ${EVAL:-64} --regenerate --synthesize ${SYNTH:-20000} --regen-samples 1 \
     --regen-batch-size ${BATCH:-512} --regen-max-new-tokens ${NEW:-320} --max-len ${LEN:-640} \
     --mix-original ${MIX:-11000} --mix-data $W/originals.jsonl --mix-skip 0 \
     --steps 100000 --batch-size ${BS:-32} --lr 1e-3 --warmup 100 --clip 0.5 --ttt-steps ${TTT:-7} \
     --draft-vocab-size 8192 --draft-vocab-coverage ${COVERAGE:-0.97} --draft-vocab-max 32768 \
-    --save-every 100000 --seed 0 --time-budget ${BUDGET:-450} --out $W/head-t "${INIT[@]}" 2>&1 | tee "$OUT/train.log"
+    --save-every 100000 --seed 0 --time-budget ${BUDGET:-420} --out $W/head-t "${INIT[@]}" 2>&1 | tee "$OUT/train.log"
   rc=${PIPESTATUS[0]}
   set +x
   # one bundle (at most 8 files come back): the head, its eval and log, the answers for a later slice
