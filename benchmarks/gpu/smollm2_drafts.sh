@@ -134,6 +134,10 @@ carry)  # DIR (an unpacked head) -> .gpu4 (the head) and .gpu5 (its answers), st
   cp "$2/synth_prompts.jsonl" "$REPO/.gpu4/prev/" 2>/dev/null
   gzip -c "$2/train_data.jsonl" > "$REPO/.gpu5/prev/train_data.jsonl.gz" 2>/dev/null || rm -rf "$REPO/.gpu5"
   du -sh "$REPO"/.gpu[45]
+  TREE=$(cd "$REPO" && git ls-files -z | du -cm --files0-from=- | tail -1 | cut -f1)
+  for p in "$REPO"/.gpu[45]; do  # a call carries the working tree and one piece: 64 MiB in all
+    [ $(( $(du -sm "$p" | cut -f1) + TREE )) -lt 64 ] || echo "WARNING: $p and the working tree exceed 64 MiB: split it"
+  done
   ;;
 wait)
   end=$(( $(date +%s) + $3 ))

@@ -192,6 +192,7 @@ def run(args) -> int:
         (c, e) for c, e in ((c, tokenize(target.tokenizer, m, args.max_len)) for c, m in held_tagged) if sum(e.mask)
     ]
     train = [e for e in (tokenize(target.tokenizer, m, args.max_len) for _, m in train_tagged) if sum(e.mask) > 0]
+    n_own = len(train)  # the answers of --data's (or regenerated) conversations, before --mix-original's
     if not train or (args.eval_samples and not held):
         raise JaxspecError(
             f"{len(train)} usable training and {len(held)} held-out conversations (--num-samples "
@@ -204,7 +205,7 @@ def run(args) -> int:
     vocab_ids, answers = None, None
     if cfg.algorithm == "EAGLE3" and cfg.draft_vocab_coverage > 0 and not args.init_head:
         # the target's own answers (the regenerated ones; every training answer without --regenerate)
-        own = [tokenize(target.tokenizer, m, args.max_len) for _, m in train_tagged] if args.regenerate else train
+        own = train[:n_own] if args.regenerate else train
         answers = token_counts((np.asarray(e.ids)[np.asarray(e.mask) > 0] for e in own), target.cfg.vocab_size)
         eos = [i for i in target.cfg.eos_token_ids if i < target.cfg.vocab_size]
         vocab_ids = vocab_for_coverage(

@@ -29,7 +29,7 @@ def token_counts(sequences, vocab_size: int) -> np.ndarray:
     counts = np.zeros(vocab_size, np.int64)
     for ids in sequences:
         ids = np.asarray(ids, np.int64)
-        np.add.at(counts, ids[(ids >= 0) & (ids < vocab_size)], 1)
+        counts += np.bincount(ids[(ids >= 0) & (ids < vocab_size)], minlength=vocab_size)
     return counts
 
 
