@@ -118,11 +118,9 @@ def make_weights(out: str, size: str, seed: int = 0) -> tuple[str, str]:
         }
         os.makedirs(head, exist_ok=True)
         save_file(e, os.path.join(head, "model.safetensors"))
-        hcfg = {k: cfg[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-                                    "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "rope_theta",
-                                    "bos_token_id", "eos_token_id")}  # fmt: skip
-        hcfg |= dict(model_type="llama", num_hidden_layers=1, hidden_act="silu", tie_word_embeddings=False,
-                     architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=dv, torch_dtype="float32")  # fmt: skip
+        from jaxspec.train.trainer import draft_hf_config  # the public EAGLE-3 layout, as train-draft writes it
+
+        hcfg = dict(draft_hf_config(cfg, "EAGLE3", dv), torch_dtype="float32")
         with open(os.path.join(head, "config.json"), "w") as f:
             json.dump(hcfg, f)
     return target, head

@@ -256,8 +256,12 @@ class Trainer:
             batches += [epoch[i] for i in rng.permutation(len(epoch))]
         for step in range(self.step, self.cfg.steps):
             idx = batches[step]
-            length = min(self.cfg.max_len, -(-int(lens[idx].max()) // LENGTH_BUCKET) * LENGTH_BUCKET)
+            length = self._padded_len(int(lens[idx].max()))
             yield step, pad_batch([self.examples[i] for i in idx], length)
+
+    def _padded_len(self, n: int) -> int:
+        """The length a batch whose longest example has n tokens is padded to."""
+        return min(self.cfg.max_len, -(-min(n, self.cfg.max_len) // LENGTH_BUCKET) * LENGTH_BUCKET)
 
     def _ckpt_manager(self):
         import orbax.checkpoint as ocp
@@ -343,12 +347,7 @@ class Trainer:
     def _compile_buckets(self) -> None:
         """Compiles the update for every batch length the data will use (one step each on copies of
         the state, thrown away), so that the step rate measured after it is the steady one."""
-        lens = sorted(
-            {
-                min(self.cfg.max_len, -(-min(len(e.ids), self.cfg.max_len) // LENGTH_BUCKET) * LENGTH_BUCKET)
-                for e in self.examples
-            }
-        )
+        lens = sorted({self._padded_len(len(e.ids)) for e in self.examples})
         for length in lens:
             ids = jnp.zeros((min(self.cfg.batch_size, len(self.examples)), length), jnp.int32)
             copy = jax.tree.map(jnp.copy, (self.params, self.opt_state))
