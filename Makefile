@@ -28,7 +28,7 @@ test: install  ## the CPU test suite CI runs (under 15 minutes on 2 cores): ever
 test-all: install  ## every test, the slow end-to-end checks included (about an hour on 2 cores)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-lint: install  ## ruff (lint + format check) and mypy over the public API
+lint: install  ## ruff (lint + format check) and mypy over every module
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy

@@ -70,7 +70,7 @@ def main():
         kw.setdefault("speculative_algorithm", "NONE")
         eng = jaxspec.Engine(show_progress=False, **kw)
         if ids is None:
-            ids = [eng._encode(eng.apply_chat_template([{"role": "user", "content": q}]), False) for q in questions]
+            ids = [eng.encode(eng.apply_chat_template([{"role": "user", "content": q}]), False) for q in questions]
         for x in ids:
             eng.generate(input_ids=x, sampling_params=sp)
         outs, tps = [], []

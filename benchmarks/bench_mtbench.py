@@ -159,7 +159,7 @@ def main():
     plain = engines[0][1]
     qs = mtbench_first_turns(args.questions)
     cats = mtbench_categories(args.questions)
-    ids = [plain._encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in qs]
+    ids = [plain.encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in qs]
     print(f"machine: {machine()}")
     print(
         f"SmolLM2-135M-Instruct float32{' ' + args.quantization if args.quantization else ''}, {len(ids)} MT-bench first turns, max {args.max_new_tokens} new tokens, "

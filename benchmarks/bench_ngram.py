@@ -95,7 +95,7 @@ def main():
     print("|---|---|---|---|---|")
     for task in args.tasks:
         texts = humaneval_prompts(args.prompts) if task == "humaneval" else edit_prompts(args.prompts)
-        ids = [plain._encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in texts]
+        ids = [plain.encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in texts]
         tokens, _, dt = run(plain, ids, sp)
         base = tokens / dt
         print(f"| {task} | NONE | 1.00 | {base:.1f} | 1.00 |", flush=True)

@@ -35,7 +35,7 @@ def main():
 
     eng = jaxspec.Engine(args.model_path, dtype=args.dtype, show_progress=False, speculative_algorithm="NONE")
     questions = mtbench_first_turns(args.prompts)
-    ids = [eng._encode(eng.apply_chat_template([{"role": "user", "content": q}]), False) for q in questions]
+    ids = [eng.encode(eng.apply_chat_template([{"role": "user", "content": q}]), False) for q in questions]
     sp = {"temperature": 0, "max_new_tokens": args.new, "ignore_eos": True}
 
     t = time.perf_counter()

@@ -96,8 +96,8 @@ def main():
         kw = dict(CONFIGS[name])
         kw.setdefault("speculative_algorithm", "NONE")
         eng = jaxspec.Engine(show_progress=False, **kw)
-        ids = [eng._encode(eng.apply_chat_template([{"role": "user", "content": q}]), False) for q in questions]
-        texts = [eng._encode(t, False)[:256] for t in held_out_texts(args.texts)]
+        ids = [eng.encode(eng.apply_chat_template([{"role": "user", "content": q}]), False) for q in questions]
+        texts = [eng.encode(t, False)[:256] for t in held_out_texts(args.texts)]
         for x in ids:  # compile every shape the run uses
             eng.generate(input_ids=x, sampling_params=sp)
         tps, outs, acc = [], [], []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +23,7 @@ class Source:
     config: dict  # HF config.json content
     names: list[str]  # HF tensor names
     get: Callable[[str], np.ndarray]  # name -> numpy array (float)
-    load_tokenizer: Callable[[], object]  # -> transformers tokenizer
+    load_tokenizer: Callable[[], Any]  # -> transformers tokenizer (None: the source has none)
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         for n in self.names:

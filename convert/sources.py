@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+from typing import Any
 
 import numpy as np
 
@@ -112,7 +113,7 @@ def _safetensors_reader(files: list[str], block: list[int] | None = None):
     quantization_config.weight_block_size)."""
     from safetensors import SafetensorError, safe_open
 
-    where: dict[str, object] = {}
+    where: dict[str, Any] = {}  # tensor name -> its safetensors file handle
     fp8: dict[str, tuple[str, dict, int]] = {}  # name -> (file, header entry, data start): numpy cannot read F8
     for f in files:
         try:

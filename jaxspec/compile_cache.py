@@ -32,17 +32,22 @@ def cache_path() -> str | None:
         return None
     if v:
         return os.path.expanduser(v)
-    if jax.config.jax_compilation_cache_dir:
+    if _jax_cache_dir():
         return None
     return os.path.join(cache_dir(), "xla")
+
+
+def _jax_cache_dir() -> str | None:
+    """JAX's own persistent-cache setting (a config flag that its type stubs do not declare)."""
+    return jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]
 
 
 def enable() -> str | None:
     """Points JAX's persistent cache at cache_path() (idempotent); returns the directory in use."""
     path = cache_path()
     if path is None:  # off, or the user's own JAX setting
-        return None if os.environ.get(ENV, "").strip().lower() in OFF else jax.config.jax_compilation_cache_dir
-    if jax.config.jax_compilation_cache_dir != path:
+        return None if os.environ.get(ENV, "").strip().lower() in OFF else _jax_cache_dir()
+    if _jax_cache_dir() != path:
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as e:

@@ -239,7 +239,7 @@ class Engine:
             prompts: list = [prompt] if single else list(prompt)
             if not all(isinstance(p, str) for p in prompts):
                 raise JaxspecError("prompt must be a string or a list of strings")
-            ids = [self._encode(p) for p in prompts]
+            ids = [self.encode(p) for p in prompts]
         else:
             given: list = list(input_ids or [])
             ids = [given] if single else [list(x) for x in given]
@@ -259,7 +259,7 @@ class Engine:
         the logprob arguments as in generate()."""
         single = bool(messages) and isinstance(messages[0], dict)
         convs: list = [messages] if single else list(messages)
-        ids = [self._encode(self.apply_chat_template(c), add_special_tokens=False) for c in convs]
+        ids = [self.encode(self.apply_chat_template(c), add_special_tokens=False) for c in convs]
         lp = _LogprobArgs.check(return_logprob, top_logprobs_num, -1, return_text_in_logprobs)
         results = self._generate_ids(ids, sampling_params, lp)
         return results[0] if single and len(results) == 1 else results
@@ -298,7 +298,7 @@ class Engine:
             raise JaxspecError("no tokenizer loaded (skip_tokenizer_init=True); pass input_ids")
         return self.tokenizer
 
-    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._need_tokenizer()(text, add_special_tokens=add_special_tokens).input_ids)
 
     def _generate_ids(self, ids: list[list[int]], sampling_params, lp: _LogprobArgs | None = None) -> list[dict]:

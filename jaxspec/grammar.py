@@ -211,7 +211,7 @@ class Grammars:
 
 
 class _Entry:
-    def __init__(self, matcher, tokenizer=None):
+    def __init__(self, matcher, tokenizer=None) -> None:
         self.matcher = matcher
         self.tokenizer = tokenizer  # llguidance's LLTokenizer, for forced_token
         self.eos = frozenset(tokenizer.eos_tokens) if tokenizer is not None else frozenset()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -94,7 +95,7 @@ class SlotBatch:
         b, v = slots, cfg.vocab_size
         cache = KVCache.create(cfg, b, max_len, dtype, kv_sharding)
         zi = lambda *s: jnp.zeros(s, jnp.int32)
-        common = dict(
+        common: dict[str, Any] = dict(
             out=zi(b, window),
             num_out=zi(b),
             done=jnp.ones((b,), bool),
@@ -104,6 +105,7 @@ class SlotBatch:
             base=zi(b),
             lps=None if top_logprobs is None else TokenLogprobs.zeros((b, window), top_logprobs),
         )
+        core: DecodeState | SpecState
         if prop is None:
             core = DecodeState(counts=zi(b, v), seen=jnp.zeros((b, v), bool), **common)
             feat = 1
@@ -143,7 +145,7 @@ class SlotBatch:
         if c.sharding is None:
             return self
         rep = NamedSharding(c.sharding.mesh, P())
-        rest = put(dataclasses.replace(self, core=dataclasses.replace(self.core, cache=None)), rep)
+        rest = put(dataclasses.replace(self, core=dataclasses.replace(self.core, cache=None)), rep)  # type: ignore[arg-type]
         cache = dataclasses.replace(c, k=put(c.k, c.sharding), v=put(c.v, c.sharding), lengths=put(c.lengths, rep))
         return dataclasses.replace(rest, core=dataclasses.replace(rest.core, cache=cache))
 
@@ -216,6 +218,7 @@ def admit_chunk(
         h, _, cache, keep = target_prefill(tgt, cache, tokens, start, prompt_lens, backend=backend)
         last_h = keep(h, last_h)
     else:
+        assert isinstance(core, SpecState)
         dcache = take_rows(core.draft.cache, rows, span)
         cache, dcache, last_h, last_feat = prefill_step(
             tgt, prop, dparams, cache, dcache, tokens, dtokens, start, prompt_lens, last_h, last_feat, backend
@@ -275,6 +278,7 @@ def admit_finish(
     )
     put = lambda name, x: getattr(core, name).at[rows].set(x)
     if prop is not None:
+        assert isinstance(core, SpecState)
         d = take_rows(core.draft, rows, span)
         feats = batch.last_feat[rows][:, None] if prop.uses_hidden else None
         d = prop.extend(dparams, tgt, d, first[:, None], feats, jnp.ones((n,), jnp.int32), jnp.ones((n,), bool))

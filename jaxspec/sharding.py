@@ -61,6 +61,7 @@ def check_heads(cfg: ModelConfig, tp_size: int) -> None:
 def param_spec(path: tuple, shape: tuple, tp: int) -> P:
     """PartitionSpec of the target parameter at NNX `path` (e.g. ("layers", 0, "mlp", "up_proj", "kernel"))."""
     name, parent = str(path[-1]), str(path[-2]) if len(path) > 1 else ""
+    spec: tuple[str | None, ...]
     if name == "embed_tokens":
         spec = (AXIS, None)
     elif (parent in ("lm_head", "head_int8") or parent in COLUMN) and name == "kernel":

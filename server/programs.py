@@ -196,8 +196,9 @@ class Programs:
         s = self.sched
         spans = self.spans()
         short = [x for x in spans if x <= 512] or spans[:1]
-        keys = [("finish", 1)] + [("chunk", 1, self.chunk_for(x), x) for x in spans]
-        if s.prefix_cache:
+        keys: list[tuple] = [("finish", 1)]
+        keys += [("chunk", 1, self.chunk_for(x), x) for x in spans]
+        if s.cache.enabled:
             keys.append(("copy",))
         main = s.main_shape
         for n in sorted(set(self.sizes(max_bs)) | {s.slots}):
@@ -232,7 +233,7 @@ class Programs:
         keys += rest
         # tiny prompts under a large min span; the smallest chunk at every span (cached prompts' tails)
         keys += [("chunk", 1, c, spans[0]) for c in self.chunk_sizes() if c < spans[0]]
-        if self.sched.prefix_cache:
+        if self.sched.cache.enabled:
             keys += [("chunk", 1, self.chunk_sizes()[0], x) for x in spans]
         for n in sizes[1:]:
             keys.append(("finish", n))

@@ -198,7 +198,7 @@ def test_server_costs_a_greedy_call_of_a_sampling_program_as_greedy(monkeypatch)
     server keeps that dispatch's cost with the greedy ones; where programs are straight-line (GPU)
     it is a sampling cost whoever calls."""
     from jaxspec import sampling
-    from server.scheduler import cost_kind
+    from server.dispatch import cost_kind
 
     sampling_prog, greedy_prog = (
         ("dispatch", 4, 256, True, OFF, False, False),

@@ -1,5 +1,5 @@
 """Every flag is declared once (jaxspec/args.py) and shows up everywhere it should: in the --help of
-each command that takes it, in the README's flag table, and with SGLang's names and defaults."""
+each command that takes it, in the flag table of docs/flags.md, and with SGLang's names and defaults."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from jaxspec.args import (
 from jaxspec.cli import build_parser
 from jaxspec.errors import JaxspecError
 
-README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+FLAGS_DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "flags.md")
 
 # SGLang's ServerArgs fields for the speculative flags jaxspec implements, with SGLang's defaults
 # (written from the names and defaults of SGLang's server arguments, not from jaxspec/args.py).
@@ -91,13 +91,13 @@ def test_server_flags_only_where_they_apply():
         assert not [f.name for f in dataclasses.fields(ServerArgs) if re.search(rf"^  {option(f.name)}\b", text, re.M)]
 
 
-def test_the_readme_flag_table_is_the_generated_one():
-    with open(README) as f:
-        readme = f.read()
-    assert flag_table() in readme, "README's flag table is stale: paste the output of jaxspec.args.flag_table()"
+def test_the_docs_flag_table_is_the_generated_one():
+    with open(FLAGS_DOC) as f:
+        doc = f.read()
+    assert flag_table() in doc, "docs/flags.md's flag table is stale: paste the output of jaxspec.args.flag_table()"
     for cls in COMMANDS:
         for f in dataclasses.fields(cls):
-            assert f"`{option(f.name)}`" in readme
+            assert f"`{option(f.name)}`" in doc
 
 
 def test_sglang_names_and_defaults():

@@ -344,7 +344,7 @@ def test_prefix_cache_identical_outputs_less_prefill(models, algo, draft):
     runs = {}
     for cache in (True, False):  # an engine each: NGRAM's corpus learns from every request
         sched = Scheduler(engine(models, algo, draft), max_running_requests=4, prefix_cache=cache)
-        sched.min_reuse = 4
+        sched.cache.min_reuse = 4
         runs[cache] = (run_script(sched), sched.stats)
     (on, st_on), (off, st_off) = runs[True], runs[False]
     assert [r["output_ids"] for r in on] == [r["output_ids"] for r in off]
@@ -370,13 +370,13 @@ def test_prefix_cache_survives_exercise_and_flush(models):
     cache was cut is still served correctly."""
     eng = engine(models, "EAGLE3", "eagle3")
     sched = Scheduler(eng, max_running_requests=2)
-    sched.min_reuse = 4
+    sched.cache.min_reuse = 4
     first = run_script(sched, SCRIPT[:1])
-    assert set(sched.cached) == {0} and len(sched.cached[0]) == len(A) + 12 - 2
+    assert set(sched.cache.held) == {0} and len(sched.cache.held[0]) == len(A) + 12 - 2
     sched.forget([0], 6)
-    assert len(sched.cached[0]) == 5
+    assert len(sched.cache.held[0]) == 5
     again = run_script(sched, [[A]])
     assert again[0]["output_ids"] == first[0]["output_ids"] and again[0]["meta_info"]["cached_tokens"] <= 4
-    assert sched.flush_cache() == 1 and not sched.cached
+    assert sched.flush_cache() == 1 and not sched.cache.held
     third = run_script(sched, [[A]])
     assert third[0]["output_ids"] == first[0]["output_ids"] and third[0]["meta_info"]["cached_tokens"] == 0

@@ -35,8 +35,8 @@ def hf_greedy(tok, model, ids):
 def test_greedy_matches_hf_gguf_loader(default_engine, hf):
     tok, model = hf
     eng = default_engine
-    prompts = [eng._encode(p) for p in RAW] + [
-        eng._encode(eng.apply_chat_template([{"role": "user", "content": c}]), False) for c in CHAT
+    prompts = [eng.encode(p) for p in RAW] + [
+        eng.encode(eng.apply_chat_template([{"role": "user", "content": c}]), False) for c in CHAT
     ]
     ref_prompts = [tok(p).input_ids for p in RAW] + [
         tok.apply_chat_template(

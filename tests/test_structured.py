@@ -169,7 +169,7 @@ def test_sampled_constrained_distribution_is_exact(engines, model_dirs):  # noqa
 
     plain, specd = engines
     regex = "(ab|c|d)(e|f)"
-    prompt = plain._encode(plain.apply_chat_template([{"role": "user", "content": "Pick."}]), add_special_tokens=False)
+    prompt = plain.encode(plain.apply_chat_template([{"role": "user", "content": "Pick."}]), add_special_tokens=False)
     exact = _exact_distribution(model_dirs["target"], prompt, regex)
     outs = sorted(exact)
     probs = np.array([exact[o] for o in outs])

@@ -36,7 +36,7 @@ class Scripted:
     def __init__(self, script):
         self.tokenizer, self.script, self.calls, self.prefixes = Tok(), script, [], []
 
-    def _encode(self, text, add_special_tokens):
+    def encode(self, text, add_special_tokens):
         return [ord(c) for c in text]
 
     def apply_chat_template(self, msgs):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,7 @@ class Linear(nnx.Module):
     def __init__(self, din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs):
         self.kernel = nnx.Param(jax.random.normal(rngs.params(), (din, dout), dtype) * INIT_STD)
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
-        self.scale = None
+        self.scale: Any = None  # an nnx.Param once quantized
         self.out_major = False
         self.act_int8 = False
 

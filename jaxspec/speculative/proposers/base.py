@@ -11,19 +11,21 @@ Draft KV layout: committed entries [0, lengths), then a local region for the dra
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
 
 from jaxspec.attention import with_mode
 from jaxspec.cache import KVCache
+from jaxspec.config import ModelConfig
 from jaxspec.errors import JaxspecError
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DraftState:
-    cache: KVCache
+    cache: Any  # KVCache for model drafts; the proposer's own history for NGRAM
     root_probs: jax.Array  # [B, Vd] draft distribution of x_L's successor
     root_hidden: jax.Array  # [B, Hd] hidden fed to x_L's children ([B, 1] zeros when unused)
     # multi-layer MTP, inside a round only: the chain drafted so far [B, d] (None between rounds)
@@ -32,8 +34,8 @@ class DraftState:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Proposer:
-    graphdef: object  # draft module graphdef
-    cfg: object  # ModelConfig of the draft decoder layer(s)
+    graphdef: Any  # draft module graphdef
+    cfg: ModelConfig  # of the draft decoder layer(s)
     root_in_region: bool  # STANDALONE: x_L's KV sits at region column 0
     shift: int  # EAGLE: draft entry p holds token p + 1 (1); STANDALONE: token p (0)
     draft_vocab: int  # size of the draft distribution (FR-Spec map, EAGLE-3 draft vocab, or full)

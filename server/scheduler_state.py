@@ -1,0 +1,251 @@
+"""The scheduler's state and what keeps it whole: the request slots on the device (planned to fit
+memory), the queue and the running requests on the host, and recovery from a failed device call.
+
+`SchedulerState` is the base of the scheduler (server/scheduler.py): admission
+(server/admission.py) and dispatch (server/dispatch.py) extend it with their steps of the loop.
+`lock` guards the host state (waiting, busy, the prefix cache, stats, cancellations); the device
+state (`batch`) belongs to the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxspec import grammar
+from jaxspec.cache import KVCache
+from jaxspec.config import SpecConfig
+from jaxspec.engine import Engine
+from jaxspec.errors import JaxspecError
+from jaxspec.logprobs import top_k_for
+from jaxspec.serving import SlotBatch
+from jaxspec.speculative.adaptive import SERVER_MARGIN, Adaptive, shape_label
+from server.memory import MemoryPlan, map_usage, plan_slots, release_pages, rss_bytes
+from server.prefix_cache import PrefixCache
+from server.programs import Programs
+from server.records import Pending, PrefillGroup, Request, Stats
+
+logger = logging.getLogger("jaxspec.server")
+
+
+class SchedulerState:
+    def __init__(
+        self,
+        eng: Engine,
+        max_running_requests: int | None = None,
+        mem_fraction_static: float = 0.8,
+        max_queued_requests: int = 256,
+        decode_steps: int | None = None,
+        overlap: bool = True,
+        min_span: int | None = None,
+        prefix_cache: bool = True,
+    ):
+        self.eng = eng
+        # the shortest prefix worth a copy (or a wait for a prompt being prefilled): one small chunk
+        self.cache = PrefixCache(prefix_cache, min_reuse=min(64, eng.chunked_prefill_size))
+        self.spec = eng.spec if eng.spec.enabled else None
+        self.prop = eng.proposer if self.spec else None
+        # adaptive speculation: per dispatch, the tree shape or plain steps (its own cost table:
+        # a dispatch's rounds are not the offline engine's programs)
+        self.adaptive = Adaptive(self.spec, margin=SERVER_MARGIN) if self.spec and self.spec.adaptive else None
+        # label -> tree shape of each dispatch kind (server/programs.py): the configured one first
+        cands = self.adaptive.candidates if self.adaptive else [self.spec]
+        self.shapes: dict[str, SpecConfig | None] = {shape_label(c): c for c in cands}
+        self.main_shape = shape_label(self.spec)
+        gpu = jax.devices()[0].platform != "cpu"
+        self.k = int(decode_steps or (8 if gpu else 2))
+        # smallest KV span a program reads: long spans cost little on a GPU (fewer programs), but
+        # attention over unused columns is a visible share of a CPU decode step (27 vs 32 tok/s)
+        self.min_span = int(min_span or (512 if gpu else 64))
+        if self.k < 1:
+            raise JaxspecError("--num-continuous-decode-steps must be >= 1")
+        steps = self.spec.num_steps if self.spec else 0
+        self.window = self.k * (steps + 1)
+        self.scratch = eng.spec.scratch_tokens  # KV columns a round writes past a request's last token
+        self.context_length = eng.context_length
+        self.max_len = -(-(self.context_length + self.scratch) // 64) * 64
+        self.num_stop = 8
+        # constrained decoding: slots carry grammar handles, and programs mask by them on demand
+        # (host callbacks; not under tensor parallelism, where requests with a grammar are refused)
+        self.grammar = eng.tp_size == 1
+        self._slot_handle: dict[int, int] = {}  # slot -> the matcher handle of its latest request
+        self.overlap = overlap
+        self.max_queued = max_queued_requests
+        self.slots = self._plan_memory(max_running_requests, mem_fraction_static, gpu)
+        self.batch = self._new_batch(self.slots)
+        self.release_kv()
+        self.busy: dict[int, Request] = {}  # slot -> request (prefilling or decoding)
+        # admission groups with prompt chunks left
+        self._prefilling: collections.deque[PrefillGroup] = collections.deque()
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.stats = Stats()
+        self.lock = threading.Lock()  # waiting, busy, stats, cancellations
+        self.wake = threading.Condition(self.lock)
+        self.tok_lock = threading.Lock()  # HF tokenizers are not safe to share across threads
+        self._pending: collections.deque[Pending] = collections.deque()
+        self._rng = np.random.default_rng(0)
+        self._seq = 0  # device calls enqueued so far (prefill chunks, admissions, dispatches)
+        self._admit_seq = 0  # the last prefill chunk, admission or prefix copy among them
+        self._last_fetched = (-1, 0.0)  # (seq, time) of the latest device call whose results arrived
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.programs = Programs(self, lazy=True)  # server/launch.py compiles ahead and sets lazy=False
+        self.error: str | None = None  # set when the scheduler could not recover: the server is down
+        self.recovering = False  # True while the device state is being re-created
+        self._last_busy = 0.0  # when idle_for last saw a request
+        self.last_recovery: str | None = None  # why the device state was last re-created
+
+    # ---- memory plan -------------------------------------------------------------------------
+
+    def _plan_memory(self, requested: int | None, fraction: float, gpu: bool) -> int:
+        eng = self.eng
+        plan = plan_slots(
+            lambda: self._new_batch(1, sharded=False),
+            lambda one: (one.core.cache.k, one.core.cache.v),
+            (eng.params, eng.dparams if self.spec else None),
+            eng.tp_size,
+            self.context_length,
+            requested,
+            fraction,
+            gpu,
+        )
+        self.memory_plan: MemoryPlan = plan
+        return plan.slots
+
+    def _kv_arrays(self, batch: SlotBatch | None = None) -> list[jax.Array]:
+        """The KV buffers of the target's and the draft's caches (of `batch`, default the slots')."""
+        batch = self.batch if batch is None else batch
+        caches = jax.tree_util.tree_leaves(batch.core, is_leaf=lambda x: isinstance(x, KVCache))
+        return [a for c in caches if isinstance(c, KVCache) for a in c.k + c.v]
+
+    def release_kv(self) -> int:
+        """Hands the KV caches' pages back to the kernel (server/memory.py release_pages): only
+        while every slot is free and holds no cached prefix (their contents no longer matter), and
+        no device call is in flight. Returns the bytes released."""
+        return release_pages(self._kv_arrays())
+
+    def memory_report(self) -> dict[str, Any]:
+        """What the server's memory holds (bytes): weights, the KV cache as allocated (on a CPU its
+        pages are taken only as requests write columns), compiled programs (measured at start-up)
+        and their budget, and the process's resident memory and memory maps now."""
+        plan, progs = self.memory_plan, self.programs.memory
+        maps = map_usage()
+        batch = self.batch  # None for a moment while the slots are re-created
+        kv = None if batch is None else sum(a.nbytes for a in self._kv_arrays(batch)) // max(self.eng.tp_size, 1)
+        return {
+            "weights_bytes": plan.weights_bytes,
+            "kv_cache_bytes": kv,
+            "slots": self.slots,
+            "context_length": self.context_length,
+            "programs": progs.count,
+            "program_bytes": progs.bytes,
+            "program_budget_bytes": progs.budget_bytes,
+            "resident_bytes": rss_bytes(),
+            "memory_maps": None if maps is None else maps[0],
+        }
+
+    def _new_batch(self, slots: int, sharded: bool = True) -> SlotBatch:
+        """Empty device slots. Every emitted token's logprob and its top alternatives (jaxspec/logprobs.py)
+        are computed (a top-k over the vocabulary per token: cheap next to the model); the host
+        reads them only for requests that asked."""
+        eng = self.eng
+        return SlotBatch.create(
+            eng.cfg,
+            self.prop,
+            slots,
+            self.max_len,
+            self.window,
+            self.num_stop,
+            eng.dtype,
+            self.spec.num_steps if self.spec else 0,
+            eng.kv_sharding if sharded else None,
+            top_logprobs=top_k_for(eng.cfg.vocab_size),
+            grammar=self.grammar,
+        )
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.busy)
+
+    # ---- failures ----------------------------------------------------------------------------
+
+    def _guarded(self, what: str, reqs: list[Request], fn) -> bool:
+        """fn(); on an exception fails `reqs` (and, if the device state is gone, every running request). True if fn succeeded."""
+        try:
+            fn()
+            return True
+        except Exception as e:
+            logger.exception("error while %s (%d requests)", what, len(reqs))
+            msg = f"internal error while {what}: {type(e).__name__}: {e}"
+            for r in reqs:
+                self._fail(r, msg)
+            if not self._state_ok():
+                self._recover(msg)
+            return False
+
+    def _state_ok(self) -> bool:
+        """Whether the device state survived (no buffer donated to a failed program, none poisoned)."""
+        try:
+            if any(x.is_deleted() for x in jax.tree_util.tree_leaves(self.batch)):
+                return False
+            jax.block_until_ready(self.batch)
+            return True
+        except Exception:
+            return False
+
+    def _recover(self, why: str) -> None:
+        """Re-creates the slot state: every request holding a slot fails, waiting ones stay queued."""
+        logger.error("device state lost (%s): failing the running requests and re-creating the request slots", why)
+        self.recovering = True
+        try:
+            with self.lock:
+                running = list(self.busy.values()) + [r for g in self._prefilling for r in g.reqs]
+            for r in running:
+                self._fail(r, f"internal error (the server recovered; retry the request): {why}")
+            with self.lock:
+                self.busy.clear()
+                self._prefilling.clear()
+                self._pending.clear()
+            self.batch = None  # type: ignore[assignment]  # (memory_report meanwhile reports no KV cache)
+            with self.lock:
+                self.cache.flush()
+            self.batch = self._new_batch(self.slots)
+            self.release_kv()
+            with self.lock:
+                self.stats.recoveries += 1
+            self.last_recovery = why
+        finally:
+            self.recovering = False
+
+    def _fail(self, r: Request, message: str) -> None:
+        """Ends one request with an "error" event and frees its slot."""
+        with self.lock:
+            if r.finished:
+                return
+            r.finished = True
+            if r in self.waiting:
+                self.waiting.remove(r)
+            if self.busy.get(r.slot) is r:
+                del self.busy[r.slot]
+            if not r.cancelled:
+                self.stats.failed += 1
+            self._close_grammar(r)
+        r.send({"type": "error", "message": message})
+
+    def _close_grammar(self, r: Request) -> None:
+        """(lock held) Drops a finished request's matcher (its slot may still run a dispatch with
+        the handle: an unknown handle masks nothing, and the slot is stopped)."""
+        if r.handle >= 0:
+            grammar.close_handle(r.handle)
+            if self._slot_handle.get(r.slot) == r.handle:
+                self._slot_handle.pop(r.slot, None)  # (cancel runs on another thread than admission)
+            r.handle = -1
