@@ -72,7 +72,7 @@ def time_dispatch(
         b = dataclasses.replace(b, core=core, max_new=b.max_new.at[:n].set(1 << 20), stop_ids=b.stop_ids.at[:n].set(-1))
         b = jax.block_until_ready(b)
         t = time.perf_counter()
-        sched.batch, outs = prog(sched.eng.params, sched.eng.dparams, b, jnp.zeros((sched.slots,), bool))
+        sched.batch, outs = prog(sched.eng.models, b, jnp.zeros((sched.slots,), bool))
         count, vct = jax.device_get((outs[1], outs[4]))
         times.append(time.perf_counter() - t)
     return float(np.median(times[1:])), float(np.mean(count[:n])), float(np.mean(vct[:n]))

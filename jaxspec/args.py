@@ -1,7 +1,9 @@
 """The model, speculative and server flags of `jaxspec generate`, `serve` and `bench`, written once.
-(Sampling flags are SamplingParams' fields, train-draft's are TrainConfig's; both go through
-`add_arguments` / `add_sampling_arguments` below. Command-specific inputs such as `--prompt` or
-bench's sweep lists stay with their command.)
+(Sampling flags are SamplingParams' fields; `bench`'s sweep is `BenchArgs` (jaxspec/bench.py),
+`convert`'s `ConvertArgs` below, `train-draft`'s TrainConfig, DraftDataArgs and TrainRunArgs
+(jaxspec/train/); every command's parser is generated from its dataclasses by `add_arguments` /
+`add_sampling_arguments` below. Only `generate`'s inputs (`--prompt`, `--chat`, `--interactive`,
+`--json`) are declared by hand.)
 
 Four dataclasses hold them, as SGLang's `ServerArgs` does: each field is one flag with its default,
 its help text and its choices; `validate()` holds the checks that need no model.
@@ -33,6 +35,8 @@ from jaxspec.sampling import SamplingParams
 T = TypeVar("T")
 
 SPEC_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
+DTYPES = ("float32", "bfloat16", "float16")  # parameter dtypes a checkpoint is stored or run in
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")  # SGLang router's
 
 
 def env_flag(name: str) -> bool:
@@ -41,12 +45,20 @@ def env_flag(name: str) -> bool:
 
 
 def flag(
-    default: Any, help: str, *, choices: tuple | None = None, metavar: str | None = None, aliases: tuple[str, ...] = ()
+    default: Any,
+    help: str,
+    *,
+    choices: tuple | None = None,
+    metavar: str | None = None,
+    aliases: tuple[str, ...] = (),
+    positional: bool = False,
+    required: bool = False,
 ) -> Any:
-    """A dataclass field that is also a command-line flag (`aliases`: further option names, e.g. "--model")."""
-    return dataclasses.field(
-        default=default, metadata={"help": help, "choices": choices, "metavar": metavar, "aliases": aliases}
-    )
+    """A dataclass field that is also a command-line flag (`aliases`: further option names, e.g.
+    "--model"; positional: an argument without a name; required: the flag must be given). A
+    `tuple[int, ...]` field takes one or more values."""
+    meta = {"help": help, "choices": choices, "metavar": metavar, "aliases": aliases}
+    return dataclasses.field(default=default, metadata={**meta, "positional": positional, "required": required})
 
 
 # ---- the target model ---------------------------------------------------------------------------
@@ -62,9 +74,7 @@ class ModelArgs:
         aliases=("--model",),
     )
     tokenizer_path: str | None = flag(None, "tokenizer directory if it differs from --model-path")
-    dtype: str = flag(
-        "float32", "parameter and KV-cache dtype (auto = float32)", choices=("auto", "float32", "bfloat16", "float16")
-    )
+    dtype: str = flag("float32", "parameter and KV-cache dtype (auto = float32)", choices=("auto", *DTYPES))
     context_length: int | None = flag(
         None, "maximum prompt + output tokens (default: the model's max_position_embeddings)"
     )
@@ -375,10 +385,25 @@ class ServerArgs:
     shutdown_timeout: float = flag(
         30.0, "on SIGTERM, seconds in-flight requests get to finish before they are cancelled"
     )
+    dp_size: int = flag(
+        1,
+        "data-parallel replicas on this host, each on its own devices (CPU: its share of the cores), behind "
+        "SGLang's router on --port (needs the sglang-router package); the replicas listen on the next ports",
+    )
+    router_policy: str = flag(
+        "cache_aware",
+        "with --dp-size > 1: how the router picks a replica (cache_aware: the one holding the prompt's prefix, "
+        "unless the load is uneven)",
+        choices=ROUTER_POLICIES,
+    )
 
     def validate(self) -> None:
         if not 1 <= self.port <= 65535:
             raise JaxspecError(f"--port must be in 1..65535, got {self.port}")
+        if self.dp_size < 1:
+            raise JaxspecError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.port + self.dp_size > 65535 and self.dp_size > 1:
+            raise JaxspecError(f"--dp-size {self.dp_size}: the replicas' ports would pass 65535; lower --port")
         if not 0 < self.mem_fraction_static <= 1:
             raise JaxspecError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
         for name in ("max_queued_requests", "max_request_bytes"):
@@ -426,6 +451,17 @@ def compatibility_notes(*args: Any) -> list[str]:
 
 # ---- dataclass <-> argparse ---------------------------------------------------------------------
 
+
+@dataclasses.dataclass(frozen=True)
+class ConvertArgs:
+    """`jaxspec convert`: a checkpoint in, a jaxspec checkpoint out."""
+
+    src: str = flag(None, "HF model directory or .gguf file", positional=True)
+    out: str = flag(None, "output directory", positional=True)
+    dtype: str = flag("float32", "stored parameter dtype", choices=DTYPES)
+    quiet: bool = flag(False, "no progress bar")
+
+
 GROUPS: dict[type, str] = {
     ModelArgs: "model",
     MultiHostArgs: "multi-host",
@@ -439,11 +475,20 @@ def option(name: str) -> str:
 
 
 def _scalar_type(tp: Any) -> type:
-    """int for `int | None`, etc."""
+    """int for `int | None`, `tuple[int, ...]`, etc."""
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         tp = args[0]
+    if typing.get_origin(tp) is tuple:
+        tp = typing.get_args(tp)[0]
     return tp
+
+
+def _is_many(tp: Any) -> bool:
+    """Whether a field's type is `tuple[X, ...]` (or that | None): a flag taking one or more values."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return any(_is_many(a) for a in typing.get_args(tp))
+    return typing.get_origin(tp) is tuple
 
 
 def add_arguments(
@@ -462,21 +507,53 @@ def add_arguments(
             action = argparse.BooleanOptionalAction if f.default is None else "store_true"
             group.add_argument(*names, action=action, default=f.default, help=help_)
             continue
-        shown = "" if f.default is None else f" (default: {f.default})"
-        group.add_argument(
-            *names,
-            dest=f.name,
+        shown = "" if f.default is None or f.metadata.get("required") else f" (default: {f.default})"
+        kw: dict[str, Any] = dict(
             type=tp,
             default=f.default,
             choices=f.metadata["choices"],
             metavar=f.metadata["metavar"],
             help=help_ + ("" if "default" in help_ else shown),
         )
+        if _is_many(hints[f.name]):
+            kw["nargs"] = "+"
+        if f.metadata.get("positional"):
+            group.add_argument(f.name, **kw)
+            continue
+        if f.metadata.get("required"):
+            kw["required"] = True
+        group.add_argument(*names, dest=f.name, **kw)
+
+
+def to_argv(obj: Any) -> list[str]:
+    """The command-line flags that give the flag dataclass `obj` its values (those at their default
+    are left out): `from_namespace(type(obj), parser.parse_args(to_argv(obj)))` == obj."""
+    hints = typing.get_type_hints(type(obj))
+    out: list[str] = []
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if v == f.default:
+            continue
+        name = option(f.name)
+        if _scalar_type(hints[f.name]) is bool:  # a switch, or --x / --no-x when unset by default
+            out.append(name if v else "--no-" + name[2:])
+        elif f.metadata.get("positional"):
+            out.append(str(v))
+        elif isinstance(v, tuple):
+            out += [name, *map(str, v)]
+        else:
+            out += [name, str(v)]
+    return out
 
 
 def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
-    """cls built from the parsed options that belong to it."""
-    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})  # type: ignore[arg-type]
+    """cls built from the parsed options that belong to it (lists of values as tuples)."""
+
+    def get(name: str) -> Any:
+        v = getattr(ns, name)
+        return tuple(v) if isinstance(v, list) else v
+
+    return cls(**{f.name: get(f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})  # type: ignore[arg-type]
 
 
 def build(cls: type[T], kwargs: dict[str, Any], what: str = "argument") -> T:

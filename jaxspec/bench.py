@@ -14,12 +14,31 @@ import json
 import os
 import time
 
-from jaxspec.args import EngineArgs, from_namespace
+from jaxspec.args import EngineArgs, flag, from_namespace
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.loader import load
 from jaxspec.requests import bucket
 from jaxspec.sharding import make_mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchArgs:
+    """`jaxspec bench`'s sweep (the model and speculative flags are EngineArgs')."""
+
+    batch_size: tuple[int, ...] = flag((1,), "batch sizes to sweep")
+    steps: tuple[int, ...] | None = flag(None, "speculative_num_steps values (default: the auto choice)")
+    topk: tuple[int, ...] | None = flag(None, "speculative_eagle_topk values")
+    num_draft_tokens: tuple[int, ...] | None = flag(None, "speculative_num_draft_tokens values")
+    shape: tuple[str, ...] | None = flag(
+        None, "explicit tree shapes to run instead of a product sweep", metavar="STEPS,TOPK,N"
+    )
+    prompts: int = flag(8, "MT-bench first-turn questions to run (chat template applied)")
+    max_new_tokens: int = flag(128, "new tokens per request")
+    temperature: float = flag(0.0, "sampling temperature")
+    baseline: bool = flag(False, "also run plain decoding and report the speedup")
+    output_file: str | None = flag(None, "also write the rows to this JSON file")
+
 
 FALLBACK_PROMPTS = [
     "Write a short story about a robot learning to paint.",
@@ -182,7 +201,7 @@ def run_sweep(args) -> list[dict]:
                 f"{s.algorithm:<11} {bs:>3} {s.num_steps:>5} {s.eagle_topk:>4} {s.num_draft_tokens:>3} {acc:>10.2f} "
                 f"{1e3 * dt / rounds:>9.1f} {tps:>8.1f} {speed:>7.2f}"
             )
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output_file:
+        with open(args.output_file, "w") as f:
             json.dump(rows, f, indent=2)
     return rows

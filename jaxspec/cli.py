@@ -12,6 +12,7 @@ import sys
 
 from convert.checkpoint import convert
 from jaxspec.args import (
+    ConvertArgs,
     EngineArgs,
     ModelArgs,
     MultiHostArgs,
@@ -22,7 +23,7 @@ from jaxspec.args import (
     from_namespace,
     sampling_from_namespace,
 )
-from jaxspec.bench import run_sweep
+from jaxspec.bench import BenchArgs, run_sweep
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingParams
@@ -118,12 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("convert", help="convert an HF directory or GGUF file into a jaxspec checkpoint")
-    c.add_argument("src", help="HF model directory or .gguf file")
-    c.add_argument("out", help="output directory")
-    c.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="stored parameter dtype"
-    )
-    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_arguments(c, ConvertArgs, title="convert")
     c.set_defaults(func=cmd_convert)
 
     g = sub.add_parser("generate", help="generate text for one prompt or chat message")
@@ -143,26 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(sv, ServerArgs)
     sv.set_defaults(func=_serve)
     b = sub.add_parser("bench", help="bench_speculative-style sweep: batch size x steps x topk x draft tokens")
-    b.add_argument("--batch-size", type=int, nargs="+", default=[1], help="batch sizes to sweep")
-    b.add_argument(
-        "--steps", type=int, nargs="+", default=None, help="speculative_num_steps values (default: the auto choice)"
-    )
-    b.add_argument("--topk", type=int, nargs="+", default=None, help="speculative_eagle_topk values")
-    b.add_argument("--num-draft-tokens", type=int, nargs="+", default=None, help="speculative_num_draft_tokens values")
-    b.add_argument(
-        "--shape",
-        nargs="+",
-        default=None,
-        metavar="STEPS,TOPK,N",
-        help="explicit tree shapes to run instead of a product sweep",
-    )
-    b.add_argument(
-        "--prompts", type=int, default=8, help="MT-bench first-turn questions to run (chat template applied)"
-    )
-    b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--baseline", action="store_true", help="also run plain decoding and report the speedup")
-    b.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    add_arguments(b, BenchArgs, title="sweep")
     _add_engine_args(b)
     b.set_defaults(func=cmd_bench)
     return p

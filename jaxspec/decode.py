@@ -1,7 +1,8 @@
 """Plain (non-speculative) decoding: chunked prefill, then one jitted `lax.while_loop`.
 
-Functions are pure over (graphdef, params): `graphdef` is static, params and the KV cache are
-arguments, and the cache is donated so XLA updates it in place.
+Compiled functions take the model as one `Models` argument (jaxspec/weights.py: the weights traced,
+the module structure and attention backend static) and the KV cache, which is donated so XLA
+updates it in place.
 
 Finish codes per slot: RUNNING, STOPPED (a stop/EOS token, kept in the output), LENGTH.
 """
@@ -13,12 +14,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxspec.cache import KVCache
 from jaxspec.grammar import mask_logits
 from jaxspec.logprobs import TokenLogprobs, compute
 from jaxspec.sampling import SamplingTensors, sample
+from jaxspec.weights import Models
 
 RUNNING, STOPPED, LENGTH = 0, 1, 2
 
@@ -49,14 +50,14 @@ def target_prefill(model, cache: KVCache, tokens, start, prompt_lens, capture_la
     return h, cap, cache, keep
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "backend"), donate_argnames=("cache",))
-def prefill_chunk(graphdef, params, cache: KVCache, tokens, start, prompt_lens, last_h, backend="xla"):
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def prefill_chunk(models: Models, cache: KVCache, tokens, start, prompt_lens, last_h):
     """Runs one prefill chunk for all slots.
 
     tokens: [B, C] int32, the prompt tokens at positions [start, start + C) (padding past the end).
     start: scalar int32; prompt_lens: [B]; last_h: [B, H] hidden state of each slot's last prompt
     token so far (updated when it falls in this chunk). Returns (cache, last_h)."""
-    h, _, cache, keep = target_prefill(nnx.merge(graphdef, params), cache, tokens, start, prompt_lens, backend=backend)
+    h, _, cache, keep = target_prefill(models.target(), cache, tokens, start, prompt_lens, backend=models.backend)
     return cache, keep(h, last_h)
 
 
@@ -140,12 +141,9 @@ def decode_step(model, state: DecodeState, st, max_new_tokens, stop_ids, backend
     return record(dataclasses.replace(state, cache=cache), logits, st, max_new_tokens, stop_ids, sampled)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("graphdef", "buf", "backend", "sampled", "top_logprobs"), donate_argnames=("cache",)
-)
+@functools.partial(jax.jit, static_argnames=("buf", "sampled", "top_logprobs"), donate_argnames=("cache",))
 def decode(
-    graphdef,
-    params,
+    models: Models,
     cache: KVCache,
     last_h,
     prompt,
@@ -154,7 +152,6 @@ def decode(
     max_new_tokens,
     stop_ids,
     buf: int,
-    backend="xla",
     sampled: bool | str = True,
     top_logprobs: int | None = None,
 ):
@@ -164,7 +161,7 @@ def decode(
     max_new_tokens: [B] int32 (<= buf); stop_ids: [B, K]; top_logprobs (static): None, or the
     number of top alternatives to record with each token's logprob. Returns (out [B, buf],
     num_out [B], finish [B], cache, lps: TokenLogprobs [B, buf] or None)."""
-    model = nnx.merge(graphdef, params)
+    model, backend = models.target(), models.backend
     state = init_state(cache, prompt, prompt_lens, max_new_tokens, model.cfg.vocab_size, buf, top_logprobs)
     state = record(state, model.logits(last_h), st, max_new_tokens, stop_ids, sampled)
 
@@ -178,8 +175,8 @@ def decode(
     return state.out, state.num_out, state.finish, state.cache, state.lps
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "k", "chunk", "backend"))
-def prompt_logprobs(graphdef, params, tokens, temperature, k: int, chunk: int = 256, backend="xla") -> TokenLogprobs:
+@functools.partial(jax.jit, static_argnames=("k", "chunk"))
+def prompt_logprobs(models: Models, tokens, temperature, k: int, chunk: int = 256) -> TokenLogprobs:
     """The target's log-probability of every prompt token given the tokens before it.
 
     tokens: [1, P] int32 (P a multiple of chunk; padding after the prompt is harmless, its rows are
@@ -187,10 +184,10 @@ def prompt_logprobs(graphdef, params, tokens, temperature, k: int, chunk: int = 
     (entry 0, which no position predicts, is 0). The forward runs over a scratch cache of P columns
     (no request's KV is touched); logits are formed `chunk` positions at a time, so memory holds
     [chunk, V] of them, not [P, V]."""
-    model = nnx.merge(graphdef, params)
+    model = models.target()
     p = tokens.shape[1]
     cache = KVCache.create(model.cfg, 1, p, model.embed_tokens[...].dtype)
-    h, _, _, _ = target_prefill(model, cache, tokens, 0, jnp.full((1,), p, jnp.int32), backend=backend)
+    h, _, _, _ = target_prefill(model, cache, tokens, 0, jnp.full((1,), p, jnp.int32), backend=models.backend)
     nxt = jnp.concatenate([tokens[0, 1:], jnp.zeros((1,), tokens.dtype)])  # position i predicts token i + 1
     hs = h[0].reshape(p // chunk, chunk, -1)
     ts = nxt.reshape(p // chunk, chunk)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 import uuid
 import weakref
@@ -28,24 +27,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from convert.sources import open_hf_dir
 from jaxspec import compile_cache, grammar
 from jaxspec.args import EngineArgs, compatibility_notes
 from jaxspec.attention import resolve_backend
 from jaxspec.cache import KVCache
 from jaxspec.config import SpecConfig
 from jaxspec.decode import decode, prefill_chunk, prompt_logprobs
-from jaxspec.drafts import bundled_draft_for
 from jaxspec.errors import JaxspecError
 from jaxspec.grammar import Grammars, requested
 from jaxspec.loader import LoadedModel, jnp_dtype, load
-from jaxspec.logprobs import MAX_TOP_LOGPROBS, top_k_for
-from jaxspec.models.llama import fuse_projections, out_major
-from jaxspec.models.mtp import mtp_layout
-from jaxspec.quant import quantize_model
+from jaxspec.logprobs import top_k_for
+from jaxspec.prepare import Layout, draft_from_target, prepare_draft, prepare_target
 from jaxspec.requests import (
+    LogprobArgs,
     TokenLogprobRows,
     bucket,
     check_prompt,
@@ -60,11 +55,12 @@ from jaxspec.requests import (
     with_token_text,
 )
 from jaxspec.sampling import GREEDY_EPS, SamplingParams, SamplingTensors, nth_sample, sampling_kind, split_n
-from jaxspec.sharding import check_heads, kv_sharding, make_mesh, replicate, shard_params
+from jaxspec.sharding import check_heads, kv_sharding, make_mesh, replicate
 from jaxspec.speculative.adaptive import Adaptive, shape_label
 from jaxspec.speculative.loop import spec_block, spec_prefill_chunk, spec_start
-from jaxspec.speculative.proposers import Proposer, load_proposer
+from jaxspec.speculative.proposers import Proposer
 from jaxspec.speculative.proposers.ngram import Corpus
+from jaxspec.weights import Models
 
 logger = logging.getLogger("jaxspec")
 
@@ -150,27 +146,16 @@ class Engine:
         check_heads(self.cfg, args.tp_size)
         # a quantized checkpoint (fp8, int8, w8a8_int8) is served so unless --quantization says otherwise
         self.quantization = args.quantization or _loaded.quantization
-        model: Any = nnx.clone(_loaded.model) if given and (_fuse or self.quantization) else _loaded.model
-        model = fuse_projections(model, args.tp_size) if _fuse else model
-        model = quantize_model(model, self.quantization)
-        # XLA:CPU multiplies a few rows (trees, batches) faster by out-major kernels (models/llama.py)
-        cpu_layout = _fuse and _out_major and args.tp_size == 1 and jax.default_backend() == "cpu"
-        self.graphdef, self.params = nnx.split(out_major(model) if cpu_layout else model)
-        if self.quantization in ("int8", "fp8") and jax.default_backend() == "cpu":
-            logger.warning(
-                "%s weights on CPU: XLA:CPU converts them to float before each matmul, so decoding is slower "
-                "than float32 here (they save memory; the speed is for GPUs; w8a8_int8 is the fast mode on CPU)",
-                self.quantization,
-            )
+        layout = Layout.for_target(args, self.quantization, fuse=_fuse, out_major_ok=_out_major)
+        self.graphdef, self.params = prepare_target(_loaded, layout, self.mesh, given)
         self.kv_sharding = kv_sharding(self.mesh)
-        self.params = shard_params(self.params, self.mesh)
         self.context_length = int(args.context_length or self.cfg.max_position_embeddings)
         if self.context_length < 2:
             raise JaxspecError(f"context_length must be >= 2, got {self.context_length}")
         self.max_running_requests = args.max_running_requests or DEFAULT_BATCH
         self.chunked_prefill_size = args.chunked_prefill_size
         self.backend = attention_backend
-        self.spec = SpecConfig.resolve(args, self.cfg, bundled=_draft_from_target(_loaded, args.algorithm))
+        self.spec = SpecConfig.resolve(args, self.cfg, bundled=draft_from_target(_loaded, args.algorithm))
         if not _draft_sampling:
             self.spec = dataclasses.replace(self.spec, draft_sampling=False)
         self.speculative_algorithm = self.spec.algorithm
@@ -179,23 +164,19 @@ class Engine:
         self.proposer: Proposer | None = None
         self.dparams: dict[str, Any] | None = None
         if self.spec.enabled:
-            self.proposer, self.dparams = load_proposer(self.spec, _loaded, args.dtype, show_progress)
             try:
                 draft_backend = resolve_backend(args.speculative_draft_attention_backend or attention_backend)
             except ValueError as e:
                 raise JaxspecError(str(e)) from None
-            self.proposer = dataclasses.replace(
-                self.proposer, attention_backend=draft_backend, attention_mode=self.spec.attention_mode
+            draft_layout = dataclasses.replace(
+                layout, quantization=args.speculative_draft_model_quantization or self.quantization
             )
-            draft_quant = args.speculative_draft_model_quantization or self.quantization
-            if "draft" in self.dparams and (_fuse or draft_quant):  # drafts are replicated: fused for one shard
-                graphdef: Any = self.proposer.graphdef
-                draft: Any = nnx.merge(graphdef, self.dparams["draft"])
-                draft = fuse_projections(draft) if _fuse else draft
-                draft = quantize_model(draft, draft_quant)
-                graphdef, self.dparams["draft"] = nnx.split(out_major(draft) if cpu_layout else draft)
-                self.proposer = dataclasses.replace(self.proposer, graphdef=graphdef)
-            self.dparams = replicate(self.dparams, self.mesh)
+            proposer, self.dparams = prepare_draft(
+                self.spec, _loaded, args.dtype, draft_layout, self.mesh, show_progress
+            )
+            self.proposer = dataclasses.replace(
+                proposer, attention_backend=draft_backend, attention_mode=self.spec.attention_mode
+            )
         self.adaptive = Adaptive(self.spec) if self.spec.adaptive else None
         # (shape label, rounds, program signature) -> block programs adaptive speculation compiled ahead
         self._block_programs: dict[tuple, Any] = {}
@@ -243,7 +224,7 @@ class Engine:
         else:
             given: list = list(input_ids or [])
             ids = [given] if single else [list(x) for x in given]
-        lp = _LogprobArgs.check(return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs)
+        lp = LogprobArgs.check(return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs)
         results = self._generate_ids(ids, sampling_params, lp)
         return results[0] if single and len(results) == 1 else results
 
@@ -260,7 +241,7 @@ class Engine:
         single = bool(messages) and isinstance(messages[0], dict)
         convs: list = [messages] if single else list(messages)
         ids = [self.encode(self.apply_chat_template(c), add_special_tokens=False) for c in convs]
-        lp = _LogprobArgs.check(return_logprob, top_logprobs_num, -1, return_text_in_logprobs)
+        lp = LogprobArgs.check(return_logprob, top_logprobs_num, -1, return_text_in_logprobs)
         results = self._generate_ids(ids, sampling_params, lp)
         return results[0] if single and len(results) == 1 else results
 
@@ -287,6 +268,11 @@ class Engine:
         self._corpus = Corpus(self.spec.ngram.capacity, reserve=reserve)
         self.dparams = {**(self.dparams or {}), "corpus": self._corpus.device()}
 
+    @property
+    def models(self) -> Models:
+        """The target and the draft as the compiled programs take them (jaxspec/weights.py)."""
+        return Models(self.graphdef, self.params, self.proposer, self.dparams, self.backend)
+
     def shutdown(self) -> None:
         """Releases device buffers (SGLang API parity)."""
         self.params = None
@@ -301,7 +287,7 @@ class Engine:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._need_tokenizer()(text, add_special_tokens=add_special_tokens).input_ids)
 
-    def _generate_ids(self, ids: list[list[int]], sampling_params, lp: _LogprobArgs | None = None) -> list[dict]:
+    def _generate_ids(self, ids: list[list[int]], sampling_params, lp: LogprobArgs | None = None) -> list[dict]:
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(ids):
                 raise JaxspecError(f"got {len(sampling_params)} sampling_params for {len(ids)} prompts")
@@ -358,7 +344,7 @@ class Engine:
         ids: list[list[int]],
         params: list[SamplingParams],
         spec_on: bool,
-        lp: _LogprobArgs | None = None,
+        lp: LogprobArgs | None = None,
         grammars: list[str | None] | None = None,
     ) -> list[dict]:
         handles = None
@@ -375,7 +361,7 @@ class Engine:
                 grammar.close_handle(h)
 
     def _run_batch_with(
-        self, ids: list[list[int]], params: list[SamplingParams], spec_on: bool, lp: _LogprobArgs | None, handles
+        self, ids: list[list[int]], params: list[SamplingParams], spec_on: bool, lp: LogprobArgs | None, handles
     ) -> list[dict]:
         t0 = time.perf_counter()
         top = None if lp is None else (0 if lp.top_logprobs_num == 0 else top_k_for(self.cfg.vocab_size))
@@ -416,19 +402,9 @@ class Engine:
         else:
             for c in range(n_chunks):
                 tokens = prompt_d[:, c * chunk : (c + 1) * chunk]
-                cache, last_h = prefill_chunk(
-                    self.graphdef,
-                    self.params,
-                    cache,
-                    tokens,
-                    jnp.int32(c * chunk),
-                    lens_d,
-                    last_h,
-                    backend=self.backend,
-                )
+                cache, last_h = prefill_chunk(self.models, cache, tokens, jnp.int32(c * chunk), lens_d, last_h)
             out, num_out, finish, _, lps = decode(
-                self.graphdef,
-                self.params,
+                self.models,
                 cache,
                 last_h,
                 prompt_d,
@@ -437,7 +413,6 @@ class Engine:
                 max_new_d,
                 jnp.asarray(stop_arr),
                 buf=buf,
-                backend=self.backend,
                 sampled=sampled,
                 top_logprobs=top,
             )
@@ -472,19 +447,17 @@ class Engine:
         padded = np.zeros((1, -(-len(ids) // chunk) * chunk), np.int32)
         padded[0, : len(ids)] = ids
         lps = prompt_logprobs(
-            self.graphdef,
-            self.params,
+            self.models,
             jnp.asarray(padded),
             jnp.asarray([temperature], jnp.float32),
             k=0 if k == 0 else top_k_for(self.cfg.vocab_size),
             chunk=chunk,
-            backend=self.backend,
         )
         lps = jax.tree_util.tree_map(lambda a: np.asarray(a)[None], jax.device_get(lps))
         rows = logprob_rows(lps, 0, 0, len(ids), k)
         return [(0.0, [])] + rows[1:]
 
-    def _prompt_logprobs(self, ids: list[int], p: SamplingParams, lp: _LogprobArgs) -> dict[str, Any]:
+    def _prompt_logprobs(self, ids: list[int], p: SamplingParams, lp: LogprobArgs) -> dict[str, Any]:
         """input_token_logprobs / input_top_logprobs of one prompt."""
         rows = self.prompt_logprob_rows(ids, p.temperature, lp.top_logprobs_num)
         return input_logprobs(ids, rows, min(lp.logprob_start_len, len(ids)))
@@ -495,7 +468,8 @@ class Engine:
         """Prefill, then rounds (in blocks chosen by adaptive speculation when it is on). top: None,
         or the top-logprob count to record. Returns ((out, num_out, finish, verify_ct, hist, lps) on
         the host, rounds per candidate [n, len(candidates)] or None)."""
-        prop, b = self.proposer, prompt.shape[0]
+        models, b = self.models, prompt.shape[0]
+        prop = models.draft
         dcache = replicate(prop.make_cache(b, cache.max_len, self.dtype), self.mesh)
         dprompt = jnp.asarray(draft_prompt(prompt, prop.shift))
         feat_dim = (3 if prop.capture_layers else 1) * self.cfg.hidden_size if prop.uses_hidden else 1
@@ -503,26 +477,11 @@ class Engine:
         for c in range(n_chunks):
             sl = slice(c * chunk, (c + 1) * chunk)
             cache, dcache, last_h, last_feat = spec_prefill_chunk(
-                self.graphdef,
-                self.params,
-                prop,
-                self.dparams,
-                cache,
-                dcache,
-                prompt_d[:, sl],
-                dprompt[:, sl],
-                jnp.int32(c * chunk),
-                lens_d,
-                last_h,
-                last_feat,
-                backend=self.backend,
+                models, cache, dcache, prompt_d[:, sl], dprompt[:, sl], jnp.int32(c * chunk), lens_d, last_h, last_feat
             )
         stop_d = jnp.asarray(stop_arr)
         state = spec_start(
-            self.graphdef,
-            self.params,
-            prop,
-            self.dparams,
+            models,
             self.spec,
             cache,
             dcache,
@@ -532,33 +491,18 @@ class Engine:
             max_new_d,
             stop_d,
             buf=buf,
-            backend=self.backend,
             sampled=sampled,
             top_logprobs=top,
         )
-
         if self.adaptive is None:
-            state = spec_block(
-                self.graphdef,
-                self.params,
-                prop,
-                self.dparams,
-                self.spec,
-                state,
-                st,
-                max_new_d,
-                stop_d,
-                rounds=0,
-                backend=self.backend,
-                sampled=sampled,
-            )
+            state = spec_block(models, self.spec, state, st, max_new_d, stop_d, rounds=0, sampled=sampled)
             used = None
         else:
-            state, used = self._adaptive_blocks(prop, state, st, max_new_d, stop_d, sampled, n)
+            state, used = self._adaptive_blocks(models, state, st, max_new_d, stop_d, sampled, n)
         res = jax.device_get((state.out, state.num_out, state.finish, state.verify_ct, state.hist, state.lps))
         return res, used
 
-    def _adaptive_blocks(self, prop, state, st, max_new_d, stop_d, sampled, n):
+    def _adaptive_blocks(self, models: Models, state, st, max_new_d, stop_d, sampled, n):
         """Rounds in blocks chosen by adaptive speculation (speculative/adaptive.py) until every
         request is done. Every block runs a program compiled ahead with `lower().compile()` and kept
         in self._block_programs: the configured shape's when first needed, the other candidates' in
@@ -574,23 +518,12 @@ class Engine:
             key = (shape_label(spec), rounds, *sig)
             if key not in self._block_programs:
                 self._block_programs[key] = spec_block.lower(
-                    self.graphdef,
-                    self.params,
-                    prop,
-                    self.dparams,
-                    spec,
-                    state_shapes,
-                    st,
-                    max_new_d,
-                    stop_d,
-                    rounds=rounds,
-                    backend=self.backend,
-                    sampled=sampled,
+                    models, spec, state_shapes, st, max_new_d, stop_d, rounds=rounds, sampled=sampled
                 ).compile()
             return self._block_programs[key]
 
         def block(spec, state):
-            return program(spec)(self.params, self.dparams, state, st, max_new_d, stop_d)
+            return program(spec)(models, state, st, max_new_d, stop_d)
 
         greedy = np.asarray(st.temperature[:n]) <= GREEDY_EPS
         return self.adaptive.run(block, state, greedy, sig, program)
@@ -607,7 +540,7 @@ class Engine:
         used=None,
         lps=None,
         prompt_lps=None,
-        lp: _LogprobArgs | None = None,
+        lp: LogprobArgs | None = None,
     ) -> dict[str, Any]:
         reason = finish_reason(finish, out_ids)
         if reason is None:  # pragma: no cover - the loop only exits when every slot finished
@@ -640,36 +573,7 @@ class Engine:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class _LogprobArgs:
-    """What a generate() call asked for besides tokens (SGLang's logprob arguments)."""
-
-    top_logprobs_num: int
-    logprob_start_len: int
-    return_text_in_logprobs: bool
-
-    @classmethod
-    def check(cls, ret: bool, top: int, start: int, text: bool) -> _LogprobArgs | None:
-        if not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise JaxspecError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}")
-        if not isinstance(start, int) or start < -1:
-            raise JaxspecError(f"logprob_start_len must be -1 (output tokens only) or >= 0, got {start!r}")
-        return cls(top, start, text) if ret else None  # as SGLang: the others mean nothing without it
-
-
 _ENGINES: dict = {}
-
-
-def _draft_from_target(loaded: LoadedModel, algo: str | None) -> tuple | None:
-    """A draft the target itself supplies when no draft path is given: an MTP module inside its
-    checkpoint (for EAGLE / NEXTN, as SGLang falls back to the target path), else a draft of that
-    algorithm shipped with jaxspec for it (jaxspec.drafts); algo None (speculative_algorithm unset)
-    asks for the target's default shipped draft."""
-    if algo == "EAGLE" and loaded.source_kind == "hf" and os.path.isdir(loaded.path):
-        src = open_hf_dir(loaded.path, check_config=False)
-        if mtp_layout(src.config, src.names):
-            return ("EAGLE", loaded.path, None)
-    return bundled_draft_for(loaded.path, loaded.cfg, algo)
 
 
 def generate(

@@ -9,6 +9,7 @@ speculative requests, spec_accept_histogram (entry i = rounds that emitted i + 1
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ import numpy as np
 from jaxspec.config import ModelConfig
 from jaxspec.decode import LENGTH, STOPPED
 from jaxspec.errors import JaxspecError
+from jaxspec.logprobs import MAX_TOP_LOGPROBS
 from jaxspec.sampling import SamplingParams
 from jaxspec.speculative.adaptive import OFF
 
@@ -192,3 +194,20 @@ def with_token_text(meta: dict[str, Any], decode_one: Callable[[int], str]) -> N
         for row in meta.get(key) or []:
             for e in row or []:
                 e[2] = decode_one(e[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class LogprobArgs:
+    """What a generate() call asked for besides tokens (SGLang's logprob arguments)."""
+
+    top_logprobs_num: int
+    logprob_start_len: int
+    return_text_in_logprobs: bool
+
+    @classmethod
+    def check(cls, ret: bool, top: int, start: int, text: bool) -> LogprobArgs | None:
+        if not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise JaxspecError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}")
+        if not isinstance(start, int) or start < -1:
+            raise JaxspecError(f"logprob_start_len must be -1 (output tokens only) or >= 0, got {start!r}")
+        return cls(top, start, text) if ret else None  # as SGLang: the others mean nothing without it

@@ -27,7 +27,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -38,6 +37,7 @@ from jaxspec.logprobs import TokenLogprobs, compute
 from jaxspec.sampling import SamplingTensors, sample
 from jaxspec.speculative.loop import SpecState, plain_steps, prefill_step, spec_round
 from jaxspec.speculative.proposers.base import DraftState
+from jaxspec.weights import Models
 
 
 def _is_cache(x) -> bool:
@@ -191,26 +191,13 @@ def copy_prefix(batch: SlotBatch, src, dst, length) -> SlotBatch:
     return dataclasses.replace(batch, core=core).placed(jax.lax.with_sharding_constraint)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "prop", "span", "backend"), donate_argnames=("batch",))
-def admit_chunk(
-    graphdef,
-    params,
-    prop,
-    dparams,
-    batch: SlotBatch,
-    rows,
-    tokens,
-    dtokens,
-    start,
-    prompt_lens,
-    span: int,
-    backend="xla",
-):
+@functools.partial(jax.jit, static_argnames=("span",), donate_argnames=("batch",))
+def admit_chunk(models: Models, batch: SlotBatch, rows, tokens, dtokens, start, prompt_lens, span: int):
     """Prefills one chunk of n new requests into the slots `rows` [n].
 
     tokens: [n, C] prompt tokens at positions [start, start + C); dtokens: the draft's tokens for the
     same entries (prompt shifted by prop.shift; unused when prop is None); prompt_lens: [n]."""
-    tgt = nnx.merge(graphdef, params)
+    tgt, prop, dparams, backend = models.target(), models.prop, models.dparams, models.backend
     core = batch.core
     cache = core.cache.view(rows, span)
     last_h, last_feat = batch.last_h[rows], batch.last_feat[rows]
@@ -233,27 +220,15 @@ def admit_chunk(
     return batch.placed(jax.lax.with_sharding_constraint)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "prop", "span", "backend"), donate_argnames=("batch",))
+@functools.partial(jax.jit, static_argnames=("span",), donate_argnames=("batch",))
 def admit_finish(
-    graphdef,
-    params,
-    prop,
-    dparams,
-    batch: SlotBatch,
-    rows,
-    st: SamplingTensors,
-    max_new,
-    stop_ids,
-    plain,
-    seen,
-    span: int,
-    backend="xla",
+    models: Models, batch: SlotBatch, rows, st: SamplingTensors, max_new, stop_ids, plain, seen, span: int
 ):
     """After the last prefill chunk: samples each new request's first token, starts its draft, and
     sets its slot's parameters. st: [n]; max_new: [n] (>= 1); stop_ids: [n, K]; plain: [n] bool;
     seen: [n, V] bool prompt tokens. Returns (batch, (first tokens [n], their TokenLogprobs [n, 1]
     or None when the batch records no logprobs))."""
-    tgt = nnx.merge(graphdef, params)
+    tgt, prop, dparams = models.target(), models.prop, models.dparams
     n = rows.shape[0]
     counts = jnp.zeros(seen.shape, jnp.int32)
     keys = jax.vmap(jax.random.fold_in)(st.keys, jnp.zeros((n,), jnp.int32))
@@ -298,21 +273,17 @@ def admit_finish(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "prop", "spec", "k", "n_act", "span", "backend", "sampled", "logprobs", "grammar"),
+    static_argnames=("spec", "k", "n_act", "span", "sampled", "logprobs", "grammar"),
     donate_argnames=("batch",),
 )
 def dispatch(
-    graphdef,
-    params,
-    prop,
-    dparams,
+    models: Models,
     spec,
     batch: SlotBatch,
     kill,
     k: int,
     n_act: int,
     span: int,
-    backend="xla",
     sampled: bool = True,
     logprobs: bool = False,
     grammar: bool = False,
@@ -334,7 +305,7 @@ def dispatch(
     verify_ct [n_act], hist [n_act, D + 2], window logprobs TokenLogprobs [n_act, W] or None[,
     grammar: output tokens each matcher has consumed [n_act]); plain mode reports
     verify_ct = num_out and no hist."""
-    tgt = nnx.merge(graphdef, params)
+    tgt, prop, dparams, backend = models.target(), models.prop, models.dparams, models.backend
     rows = jnp.arange(n_act)
     sub = take_rows(batch, rows, span, prefix=n_act)
     st = sub.st if grammar else dataclasses.replace(sub.st, grammar=None)

@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.tree_attention import DEFAULT_BLOCKS, Blocks, tree_attention
 
 
 def softmax_parts(scores, vis):
@@ -60,16 +60,7 @@ def decode_attention_reference(q, k, v, kv_len, *, sliding_window=None, scale=No
 
 @functools.partial(
     jax.jit,
-    static_argnames=(
-        "sliding_window",
-        "scale",
-        "block_k",
-        "splits",
-        "num_warps",
-        "num_stages",
-        "interpret",
-        "return_lse",
-    ),
+    static_argnames=("sliding_window", "scale", "blocks", "interpret", "return_lse"),
 )
 def decode_attention(
     q,
@@ -79,16 +70,13 @@ def decode_attention(
     *,
     sliding_window: int | None = None,
     scale: float | None = None,
-    block_k: int | None = None,
-    splits: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    blocks: Blocks = DEFAULT_BLOCKS,
     interpret: bool = False,
     return_lse: bool = False,
 ):
     """q: [B, H, D]; k, v: [B, S, Hkv, D] (read in place); kv_len: [B] int32 visible columns.
     Returns [B, H, D] in q.dtype (with return_lse: out in float32 and the log-sum-exps [B, H] float32,
-    -inf for an empty row). Knobs as in `tree_attention` (splits default: fill the GPU)."""
+    -inf for an empty row). blocks: the tuning knobs, as `tree_attention`'s (block_r unused: one row)."""
     # The tree kernel's causal rule with one row: column c is visible iff c - prefix <= 0, i.e.
     # c < kv_len for prefix = kv_len - 1; its sliding-window rule c > prefix - window matches ours.
     out = tree_attention(
@@ -99,10 +87,7 @@ def decode_attention(
         None,
         sliding_window=sliding_window,
         scale=scale,
-        block_k=block_k,
-        splits=splits,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        blocks=blocks,
         interpret=interpret,
         return_lse=return_lse,
     )

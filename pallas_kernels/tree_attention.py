@@ -31,6 +31,7 @@ the parts. K/V are read in place from the [B, S, Hkv, D] cache: no copy, no tran
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -184,6 +185,23 @@ def _combine(acc, m, l):
     return num / jnp.where(den > 0, den, 1.0)[..., None], lse
 
 
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """The kernels' tuning knobs (static; hashable). block_k: KV columns per step (default 64, must
+    divide the cache length); block_r: packed query rows per program (default: all rows up to 64);
+    splits: parts the visible columns are split into (default: fill the GPU, `default_splits`);
+    num_warps / num_stages: Triton's."""
+
+    block_k: int | None = None
+    block_r: int | None = None
+    splits: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DEFAULT_BLOCKS = Blocks()
+
+
 def default_splits(b: int, hkv: int, row_blocks: int, s: int) -> int:
     """Enough programs to fill the GPU, each split covering at least MIN_SPLIT_COLUMNS of a full cache."""
     want = pl.cdiv(TARGET_PROGRAMS, b * hkv * row_blocks)
@@ -192,17 +210,7 @@ def default_splits(b: int, hkv: int, row_blocks: int, s: int) -> int:
 
 @functools.partial(
     jax.jit,
-    static_argnames=(
-        "sliding_window",
-        "scale",
-        "block_k",
-        "block_r",
-        "splits",
-        "num_warps",
-        "num_stages",
-        "interpret",
-        "return_lse",
-    ),
+    static_argnames=("sliding_window", "scale", "blocks", "interpret", "return_lse"),
 )
 def tree_attention(
     q,
@@ -214,11 +222,7 @@ def tree_attention(
     offset=0,
     sliding_window: int | None = None,
     scale: float | None = None,
-    block_k: int | None = None,
-    block_r: int | None = None,
-    splits: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    blocks: Blocks = DEFAULT_BLOCKS,
     interpret: bool = False,
     return_lse: bool = False,
 ):
@@ -227,11 +231,9 @@ def tree_attention(
     sits at cache column kv_len + offset + t. Returns [B, T, H, D] in q.dtype. With return_lse:
     (out [B, T, H, D] float32, the rows' log-sum-exps of scaled scores [B, T, H] float32, -inf and a
     zero output where no column was visible), for merging with attention over other columns.
-
-    Tuning knobs (static): block_k KV columns per step (default 64, must divide S), block_r packed
-    query rows per program (default: all rows up to 64), splits of the visible columns (default: fill
-    the GPU), Triton num_warps / num_stages.
+    blocks: the tuning knobs (`Blocks`; static).
     """
+    block_k, block_r, splits = blocks.block_k, blocks.block_r, blocks.splits
     b, t, h, d = q.shape
     s, hkv = k.shape[1], k.shape[2]
     group = h // hkv
@@ -291,7 +293,7 @@ def tree_attention(
             jax.ShapeDtypeStruct((b, hkv, splits, r_pad), jnp.float32),
             jax.ShapeDtypeStruct((b, hkv, splits, r_pad), jnp.float32),
         ],
-        compiler_params=_compiler_params(num_warps, num_stages),
+        compiler_params=_compiler_params(blocks.num_warps, blocks.num_stages),
         interpret=interpret,
         name="tree_attention",
     )(*inputs)

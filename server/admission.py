@@ -141,8 +141,7 @@ class Admission(SchedulerState):
         self._seq += 1
         self._admit_seq = self._seq
         self.batch = prog(
-            eng.params,
-            eng.dparams,
+            eng.models,
             self.batch,
             rows,
             jnp.asarray(g.prompt[:, sl]),
@@ -174,8 +173,7 @@ class Admission(SchedulerState):
         self._seq += 1
         self._admit_seq = self._seq
         self.batch, first = prog(
-            eng.params,
-            eng.dparams,
+            eng.models,
             self.batch,
             rows,
             st,

@@ -68,7 +68,7 @@ class Dispatch(SchedulerState):
         prog = self.programs.get(key)
         self._seq += 1
         t = time.perf_counter()
-        self.batch, outs = prog(eng.params, eng.dparams, self.batch, jnp.asarray(kill))
+        self.batch, outs = prog(eng.models, self.batch, jnp.asarray(kill))
         marks = self.programs.compile_mark()
         self._pending.append(Pending("dispatch", [], busy, outs, self._seq, t, spec, key, marks))
 

@@ -12,6 +12,7 @@ import jax
 
 from jaxspec.args import EngineArgs, ServerArgs, compatibility_notes, from_namespace
 from jaxspec.engine import Engine
+from server import replicas
 from server.app import create_app
 from server.scheduler import Scheduler, warmup
 
@@ -72,6 +73,12 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = from_namespace(ServerArgs, args)
+    server.validate()
+    if server.dp_size > 1:  # replicas behind SGLang's router (this process loads no model)
+        flags = from_namespace(EngineArgs, args)
+        flags.validate()
+        return replicas.run(flags, server)
     app, sched = build(args)
     spec = sched.eng.spec
     desc = (

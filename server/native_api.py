@@ -1,5 +1,7 @@
 """SGLang's native routes: /generate (text or token ids in, text, ids and meta_info out, streamed
-or not), /health, /get_server_info, /flush_cache and /metrics."""
+or not), /health, /get_server_info (also /server_info), /get_model_info (also /model_info),
+/flush_cache and /metrics. SGLang's router reads /health, /server_info and /model_info of each
+worker it routes to."""
 
 from __future__ import annotations
 
@@ -91,6 +93,7 @@ async def health(request: Request):
 
 
 @router.get("/get_server_info")
+@router.get("/server_info", include_in_schema=False)
 async def server_info(request: Request):
     ctx = context(request)
     sched, spec = ctx.sched, ctx.eng.spec
@@ -117,6 +120,23 @@ async def server_info(request: Request):
         "overlap_schedule": sched.overlap,
         "avg_spec_accept_length": acc,
         "internal_states": [internal],
+    }
+
+
+@router.get("/get_model_info")
+@router.get("/model_info", include_in_schema=False)
+async def model_info(request: Request):
+    """SGLang's: what the worker serves (the router names the model after `model_path`)."""
+    ctx = context(request)
+    eng = ctx.eng
+    return {
+        "model_path": ctx.served_model_name,
+        "tokenizer_path": ctx.served_model_name if eng.tokenizer is not None else None,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "model_type": eng.cfg.model_type,
+        "checkpoint": eng.loaded.path,
     }
 
 

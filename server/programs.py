@@ -63,6 +63,7 @@ from jaxspec.requests import bucket
 from jaxspec.sampling import SamplingParams, SamplingTensors, skips_unused
 from jaxspec.serving import admit_chunk, admit_finish, copy_prefix, dispatch
 from jaxspec.speculative.adaptive import OFF
+from jaxspec.weights import Models
 from server.memory import ProgramMemory, map_usage, program_budget, trim_heap
 
 logger = logging.getLogger("jaxspec.server")
@@ -261,20 +262,17 @@ class Programs:
         i32 = jnp.int32
         sds = jax.ShapeDtypeStruct
         dparams = jax.tree_util.tree_map(_spec, eng.dparams)
+        models = Models(eng.graphdef, self._params_spec, s.prop, dparams, eng.backend)
         if key[0] == "dispatch":
             _, n_act, span, sampled, shape, logprobs, grammar = key
             return dispatch.lower(
-                eng.graphdef,
-                self._params_spec,
-                s.prop,
-                dparams,
+                models,
                 s.shapes[shape],
                 self._batch_spec,
                 sds((s.slots,), bool),
                 k=s.k,
                 n_act=n_act,
                 span=span,
-                backend=eng.backend,
                 sampled=sampled,
                 logprobs=logprobs,
                 grammar=grammar,
@@ -284,10 +282,7 @@ class Programs:
         if key[0] == "chunk":
             _, n, c, span = key
             return admit_chunk.lower(
-                eng.graphdef,
-                self._params_spec,
-                s.prop,
-                dparams,
+                models,
                 self._batch_spec,
                 sds((n,), i32),
                 sds((n, c), i32),
@@ -295,15 +290,11 @@ class Programs:
                 sds((), i32),
                 sds((n,), i32),
                 span=span,
-                backend=eng.backend,
             )
         _, n = key
         st = jax.eval_shape(lambda: SamplingTensors.build_default(n, s.grammar))
         return admit_finish.lower(
-            eng.graphdef,
-            self._params_spec,
-            s.prop,
-            dparams,
+            models,
             self._batch_spec,
             sds((n,), i32),
             st,
@@ -312,7 +303,6 @@ class Programs:
             sds((n,), bool),
             sds((n, eng.cfg.vocab_size), bool),
             span=s.max_len,
-            backend=eng.backend,
         )
 
     def compile(self, key: tuple) -> Any:
@@ -375,8 +365,7 @@ class Programs:
             start = max(min(span, s.max_len) - c, 0)
             s.forget(range(n), start)
             s.batch = prog(
-                eng.params,
-                eng.dparams,
+                eng.models,
                 s.batch,
                 jnp.arange(n, dtype=i32),
                 jnp.zeros((n, c), i32),
@@ -388,8 +377,7 @@ class Programs:
             _, n = key
             s.forget(range(n), 0)
             s.batch, _ = prog(
-                eng.params,
-                eng.dparams,
+                eng.models,
                 s.batch,
                 jnp.arange(n, dtype=i32),
                 params(n),
@@ -411,7 +399,7 @@ class Programs:
             b = dataclasses.replace(
                 b, core=core, st=st, max_new=b.max_new.at[:n].set(1 << 20), stop_ids=b.stop_ids.at[:n].set(-1)
             )
-            s.batch, _ = prog(eng.params, eng.dparams, b.placed(jax.device_put), jnp.zeros((s.slots,), bool))
+            s.batch, _ = prog(eng.models, b.placed(jax.device_put), jnp.zeros((s.slots,), bool))
         jax.block_until_ready(s.batch)
 
     def want(self, key: tuple) -> None:

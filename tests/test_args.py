@@ -56,6 +56,7 @@ SGLANG_SERVER = (
     "cuda_graph_max_bs",
     "disable_cuda_graph",
     "disable_radix_cache",
+    "dp_size",
 )
 SGLANG_MODEL = (
     "model_path",

@@ -75,7 +75,7 @@ def test_bench_sweep(tmp_path):
         "STANDALONE",
         "--speculative-draft-model-path",
         "default",
-        "--json",
+        "--output-file",
         str(tmp_path / "rows.json"),
     )
     assert r.returncode == 0, r.stderr

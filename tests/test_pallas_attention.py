@@ -21,7 +21,7 @@ import pytest
 
 from jaxspec.speculative.tree import build_tree
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
-from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
+from pallas_kernels.tree_attention import Blocks, tree_attention, tree_attention_reference
 
 INTERPRET = jax.default_backend() != "gpu"
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -96,12 +96,12 @@ def test_pallas_decode_splits_and_sliding_window(splits):
     _, q, k, v = _qkv(10 + splits, b, 1, hkv * group, hkv, d, s, jnp.float32)
     kv_len = jnp.asarray([1000, 37], jnp.int32)
     _close(
-        decode_attention(q[:, 0], k, v, kv_len, splits=splits, interpret=INTERPRET),
+        decode_attention(q[:, 0], k, v, kv_len, blocks=Blocks(splits=splits), interpret=INTERPRET),
         decode_attention_reference(q[:, 0], k, v, kv_len),
         jnp.float32,
     )
     _close(
-        decode_attention(q[:, 0], k, v, kv_len, sliding_window=100, splits=splits, interpret=INTERPRET),
+        decode_attention(q[:, 0], k, v, kv_len, sliding_window=100, blocks=Blocks(splits=splits), interpret=INTERPRET),
         decode_attention_reference(q[:, 0], k, v, kv_len, sliding_window=100),
         jnp.float32,
     )

@@ -241,8 +241,7 @@ def _tiny_checks(d: str) -> dict:
             p, layer = eng.params, eng.params["layers"][0]
             cache = KVCache.create(eng.cfg, len(PROMPTS), 64, eng.dtype, eng.kv_sharding)
             cache, _ = prefill_chunk(
-                eng.graphdef,
-                eng.params,
+                eng.models,
                 cache,
                 jnp.asarray([(x + [0] * 4)[:4] for x in PROMPTS]),
                 jnp.int32(0),
@@ -281,8 +280,7 @@ def _tiny_checks(d: str) -> dict:
         cache = KVCache.create(eng.cfg, 2, 64, eng.dtype, eng.kv_sharding)
         hlo = (
             prefill_chunk.lower(
-                eng.graphdef,
-                eng.params,
+                eng.models,
                 cache,
                 jnp.zeros((2, 4), jnp.int32),
                 jnp.int32(0),

@@ -21,7 +21,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxspec.attention import with_mode
 from jaxspec.cache import KVCache
@@ -34,6 +33,7 @@ from jaxspec.sampling import draw as draw_index
 from jaxspec.speculative import tree as tree_lib
 from jaxspec.speculative.proposers.base import DraftState, Proposer
 from jaxspec.speculative.verify import Accepted, greedy_verify, verify
+from jaxspec.weights import Models
 
 
 def prefill_step(
@@ -61,39 +61,16 @@ def prefill_step(
     return cache, dcache, last_h, last_feat
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "prop", "backend"), donate_argnames=("cache", "dcache"))
+@functools.partial(jax.jit, donate_argnames=("cache", "dcache"))
 def spec_prefill_chunk(
-    graphdef,
-    params,
-    prop: Proposer,
-    dparams,
-    cache: KVCache,
-    dcache: KVCache,
-    tokens,
-    dtokens,
-    start,
-    prompt_lens,
-    last_h,
-    last_feat,
-    backend="xla",
+    models: Models, cache: KVCache, dcache: KVCache, tokens, dtokens, start, prompt_lens, last_h, last_feat
 ):
     """Target and draft prefill of one chunk. tokens: prompt [B, C]; dtokens: the draft's tokens for
     the same entries (prompt shifted by `prop.shift`). last_h [B, H] / last_feat [B, F]: the target
     hidden and draft feature of each slot's last prompt token (updated when it is in this chunk)."""
-    return prefill_step(
-        nnx.merge(graphdef, params),
-        prop,
-        dparams,
-        cache,
-        dcache,
-        tokens,
-        dtokens,
-        start,
-        prompt_lens,
-        last_h,
-        last_feat,
-        backend,
-    )
+    tgt, prop = models.target(), models.draft
+    args = (tokens, dtokens, start, prompt_lens, last_h, last_feat)
+    return prefill_step(tgt, prop, models.dparams, cache, dcache, *args, models.backend)
 
 
 @jax.tree_util.register_dataclass
@@ -307,15 +284,10 @@ def _plain_slots(tgt, h, acc: Accepted, plain, st: SamplingTensors, state: SpecS
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("graphdef", "prop", "spec", "buf", "backend", "sampled", "top_logprobs"),
-    donate_argnames=("cache", "dcache"),
+    jax.jit, static_argnames=("spec", "buf", "sampled", "top_logprobs"), donate_argnames=("cache", "dcache")
 )
 def spec_start(
-    graphdef,
-    params,
-    prop: Proposer,
-    dparams,
+    models: Models,
     spec: SpecConfig,
     cache: KVCache,
     dcache: KVCache,
@@ -325,14 +297,13 @@ def spec_start(
     max_new_tokens,
     stop_ids,
     buf: int,
-    backend="xla",
     sampled: bool | str = True,
     top_logprobs: int | None = None,
 ) -> SpecState:
     """The first token from the prefill's last hidden state [B, H] and the draft's extension over
     it: the state `spec_block` runs rounds on (out [B, buf]; hist sized for spec.num_steps).
     top_logprobs (static): None, or record each token's logprob with this many alternatives."""
-    tgt = nnx.merge(graphdef, params)
+    tgt, prop, dparams = models.target(), models.draft, models.dparams
     b = last_h.shape[0]
     v = tgt.cfg.vocab_size
     zeros = jnp.zeros((b, v), jnp.int32)
@@ -442,29 +413,21 @@ def _feature_shapes(tgt, prop: Proposer, b: int):
     return h, cap
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("graphdef", "prop", "spec", "rounds", "backend", "sampled"),
-    donate_argnames=("state",),
-)
+@functools.partial(jax.jit, static_argnames=("spec", "rounds", "sampled"), donate_argnames=("state",))
 def spec_block(
-    graphdef,
-    params,
-    prop: Proposer,
-    dparams,
+    models: Models,
     spec: SpecConfig | None,
     state: SpecState,
     st: SamplingTensors,
     max_new_tokens,
     stop_ids,
     rounds: int,
-    backend="xla",
     sampled: bool | str = True,
 ) -> SpecState:
     """Rounds of the tree shape `spec` in a while_loop: at most `rounds` of them (0: until every
     slot is done), stopping early once every slot is done. spec None: `rounds` plain decoding
     steps with the draft kept up to date (speculation off, for adaptive speculation)."""
-    tgt = nnx.merge(graphdef, params)
+    tgt, prop, dparams, backend = models.target(), models.draft, models.dparams, models.backend
     if spec is None:
         return plain_steps(tgt, prop, dparams, state, st, max_new_tokens, stop_ids, rounds, backend, sampled)
     b = state.last.shape[0]

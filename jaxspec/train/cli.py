@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from convert.sources import open_source
-from jaxspec.args import ModelArgs, add_arguments, flag, from_namespace
+from jaxspec.args import DTYPES, ModelArgs, add_arguments, flag, from_namespace
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.loader import load, resolve_model_path
@@ -68,42 +68,37 @@ class DraftDataArgs:
     data_only: bool = flag(False, "stop after preparing (regenerating) the data; a later run trains on it")
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainRunArgs:
+    """What a `train-draft` run makes, where it starts from, and how long it may take."""
+
+    speculative_algorithm: str = flag("EAGLE3", "the head to train", choices=("EAGLE3", "EAGLE"))
+    out: str = flag(None, "output directory: checkpoints, the exported head, train_log.json, loss.svg", required=True)
+    export_dtype: str = flag("bfloat16", "dtype of the exported head", choices=DTYPES)
+    init_head: str | None = flag(
+        None,
+        "start from the weights (and draft vocabulary) of a head written before, e.g. by an earlier run's "
+        "--out, with a fresh optimizer: a later run continues training where that one stopped",
+    )
+    time_budget: float = flag(
+        0.0,
+        "seconds the whole run may take (0: no limit): synthesis and regeneration start no batch after "
+        "--regen-share of it, and training runs as many of --steps as fit in what is left, its learning-rate "
+        "schedule fitted to them (the steps are counted after every batch shape is compiled)",
+    )
+    regen_share: float = flag(0.4, "share of --time-budget for synthesis and regeneration")
+
+
 def add_parser(sub) -> None:
     t = sub.add_parser("train-draft", help="train an EAGLE-3 / EAGLE head for a target model (Flax NNX + optax)")
     add_arguments(t, ModelArgs, title="target", only=("model_path",))
-    t.add_argument("--speculative-algorithm", default="EAGLE3", choices=["EAGLE3", "EAGLE"], help="head to train")
+    add_arguments(t, TrainRunArgs, title="run")
     add_arguments(t, DraftDataArgs, title="data")
     add_arguments(
         t,
         TrainConfig,
         title="training",
         only=tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name != "algorithm"),
-    )
-    t.add_argument(
-        "--export-dtype",
-        default="bfloat16",
-        choices=["bfloat16", "float32", "float16"],
-        help="dtype of the exported head",
-    )
-    t.add_argument(
-        "--init-head",
-        default=None,
-        help="start from the weights (and draft vocabulary) of a head written before, e.g. by an earlier run's "
-        "--out, with a fresh optimizer: a later run continues training where that one stopped",
-    )
-    t.add_argument(
-        "--time-budget",
-        type=float,
-        default=0.0,
-        help="seconds the whole run may take (0: no limit): synthesis and regeneration start no batch after "
-        "--regen-share of it, and training runs as many of --steps as fit in what is left, its learning-rate "
-        "schedule fitted to them (the steps are counted after every batch shape is compiled)",
-    )
-    t.add_argument(
-        "--regen-share", type=float, default=0.4, help="share of --time-budget for synthesis and regeneration"
-    )
-    t.add_argument(
-        "--out", required=True, help="output directory: checkpoints, the exported head, train_log.json, loss.svg"
     )
     t.set_defaults(func=run)
 
