@@ -273,7 +273,7 @@ def test_a_failing_request_does_not_take_the_server_down(spec_server, monkeypatc
         if key[0] == "dispatch" and calls["finish"] == 1 and calls["dispatch"] == 0:
             calls["dispatch"] += 1
 
-            def lose_state(params, dparams, batch, kill):
+            def lose_state(models, batch, kill):
                 jax.tree_util.tree_map(lambda x: x.delete(), batch)  # as if donated to a program that then failed
                 raise RuntimeError("injected device failure")
 
