@@ -273,6 +273,12 @@ class Engine:
         """The target and the draft as the compiled programs take them (jaxspec/weights.py)."""
         return Models(self.graphdef, self.params, self.proposer, self.dparams, self.backend)
 
+    @property
+    def target_models(self) -> Models:
+        """The target alone, for the programs that decode without the draft (whatever the draft,
+        they compile once)."""
+        return Models(self.graphdef, self.params, backend=self.backend)
+
     def shutdown(self) -> None:
         """Releases device buffers (SGLang API parity)."""
         self.params = None
@@ -402,9 +408,9 @@ class Engine:
         else:
             for c in range(n_chunks):
                 tokens = prompt_d[:, c * chunk : (c + 1) * chunk]
-                cache, last_h = prefill_chunk(self.models, cache, tokens, jnp.int32(c * chunk), lens_d, last_h)
+                cache, last_h = prefill_chunk(self.target_models, cache, tokens, jnp.int32(c * chunk), lens_d, last_h)
             out, num_out, finish, _, lps = decode(
-                self.models,
+                self.target_models,
                 cache,
                 last_h,
                 prompt_d,
@@ -447,7 +453,7 @@ class Engine:
         padded = np.zeros((1, -(-len(ids) // chunk) * chunk), np.int32)
         padded[0, : len(ids)] = ids
         lps = prompt_logprobs(
-            self.models,
+            self.target_models,
             jnp.asarray(padded),
             jnp.asarray([temperature], jnp.float32),
             k=0 if k == 0 else top_k_for(self.cfg.vocab_size),

@@ -24,7 +24,7 @@ from server.scheduler_state import SchedulerState
 
 class Admission(SchedulerState):
     def _admit(self) -> None:
-        """Waiting requests take free slots (`_pick_slot`), reusing cached prefixes (the module
+        """Waiting requests take free slots (`PrefixCache.pick_slot`), reusing cached prefixes (the module
         docstring), in power-of-two groups (each group size compiles once); their prompts are
         prefilled chunk by chunk by `_prefill`."""
         cache = self.cache
@@ -67,7 +67,7 @@ class Admission(SchedulerState):
             who = [] if owner is None else [owner]
             if not self._guarded("copying a cached prefix", who, lambda a=(src, dst, cols): self._copy(*a)):
                 if owner is None:
-                    cache.forget([dst], 0)
+                    self.forget([dst], 0)
                 elif owner in reqs:
                     reqs.remove(owner)
         # groups of requests reusing a cached prefix prefill from there: they are not mixed with the others

@@ -4,7 +4,7 @@ with them (parse a body, tokenize, submit requests to the scheduler, follow thei
 `create_app` (server/app.py) stores one `ServerContext` in `app.state.ctx`; a route reads it with
 `context(request)`. The scheduler thread reports a request's progress through `Request.emit`, which
 the context points at an asyncio queue of the route's event loop: {"type": "delta" | "done" |
-"error", ...} events (server/scheduler.py).
+"error", ...} events (server/records.py `Request`; sent by server/dispatch.py).
 """
 
 from __future__ import annotations

@@ -43,7 +43,8 @@ class Replica:
     env: dict[str, str]
     cores: list[int] | None  # CPU: the cores it runs on
     proc: subprocess.Popen | None = None
-    restarts: int = 0
+    restarts: int = 0  # restarts in a row (reset once it has run for ten minutes)
+    started: float = 0.0  # time.monotonic() of its latest start
 
     @property
     def url(self) -> str:
@@ -100,11 +101,14 @@ def plan(engine: EngineArgs, server: ServerArgs) -> list[Replica]:
                 f"--dp-size {n} x --tp-size {engine.tp_size} needs {n * engine.tp_size} GPUs; {gpus} are visible"
             )
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ids = [x.strip() for x in visible.split(",")] if visible else [str(i) for i in range(gpus)]
+        ids = [x.strip() for x in (visible or "").split(",") if x.strip() and x.strip() != "-1"]
+        ids = ids or [str(i) for i in range(gpus)]
         for i, port in enumerate(ports):
             group = ids[i * engine.tp_size : (i + 1) * engine.tp_size]
             replicas.append(Replica(i, port, {"CUDA_VISIBLE_DEVICES": ",".join(group)}, None))
         return replicas
+    if engine.tp_size > 1:
+        raise JaxspecError("--dp-size with --tp-size > 1 needs GPUs (on a CPU each replica runs on its own cores)")
     cores = sorted(os.sched_getaffinity(0))
     if n > len(cores):
         raise JaxspecError(f"--dp-size {n} replicas on a CPU need a core each; this process may use {len(cores)}")
@@ -128,7 +132,11 @@ def router_argv(server: ServerArgs, replicas: list[Replica]) -> list[str]:
     # replicas on one host: a dead one is noticed, and a restarted one taken back, within seconds
     # (the router's defaults, for remote workers, check every 60 s and trip its breaker for 60 s)
     argv += ["--health-check-interval-secs", "5", "--health-failure-threshold", "2", "--health-success-threshold", "1"]
-    argv += ["--cb-timeout-duration-secs", "10"]
+    argv += ["--cb-timeout-duration-secs", "10", "--shutdown-grace-period-secs", str(int(server.shutdown_timeout))]
+    # cache-aware routing turns to the least loaded replica once one holds 2 more requests than
+    # another (the router's default, 64, is for big GPU servers: prompts sharing a system prompt
+    # would all go to one replica of a few slots while the others idle)
+    argv += ["--balance-abs-threshold", "1", "--balance-rel-threshold", "1.2"]
     if server.api_key:
         argv += ["--api-key", server.api_key]
     return argv
@@ -146,10 +154,14 @@ class ReplicaGroup:
         cores = r.cores
 
         def pin() -> None:  # in the child, before exec
+            _die_with_parent()
             if cores:
                 os.sched_setaffinity(0, cores)
 
         r.proc = subprocess.Popen(replica_argv(self.engine, self.server, r.port), env=env, preexec_fn=pin)
+        if r.restarts and time.monotonic() - r.started > 600:  # it ran a while: back to the shortest wait
+            r.restarts = 0
+        r.started = time.monotonic()
         where = f"cores {r.cores[0]}-{r.cores[-1]}" if r.cores else f"GPUs {r.env.get('CUDA_VISIBLE_DEVICES')}"
         logger.warning("replica %d: pid %d on %s, port %d", r.index, r.proc.pid, where, r.port)
 
@@ -178,7 +190,7 @@ class ReplicaGroup:
             time.sleep(0.5)
 
     def start_router(self) -> None:
-        self.router = subprocess.Popen(router_argv(self.server, self.replicas))
+        self.router = subprocess.Popen(router_argv(self.server, self.replicas), preexec_fn=_die_with_parent)
         logger.warning(
             "router: pid %d on http://%s:%d, policy %s, over %s",
             self.router.pid,
@@ -190,7 +202,7 @@ class ReplicaGroup:
 
     def supervise(self, poll_s: float = 1.0) -> None:
         """Until stopped: restarts a replica (or the router) that exited."""
-        due: dict[int, float] = {}
+        due: dict[int | str, float] = {}  # replica index (or "router") -> when to start it again
         while not self.stopping:
             now = time.monotonic()
             for r in self.replicas:
@@ -203,26 +215,45 @@ class ReplicaGroup:
                         "replica %d exited (code %s): restarting it in %.0f s", r.index, r.proc.returncode, wait
                     )
                     due[r.index] = now + wait
-                elif now >= due.pop(r.index):
+                elif now >= due[r.index]:
+                    del due[r.index]
                     r.restarts += 1
                     self.start_replica(r)
             if self.router is not None and self.router.poll() is not None:
-                logger.error("the router exited (code %s): restarting it", self.router.returncode)
-                self.start_router()
+                if "router" not in due:
+                    logger.error("the router exited (code %s): restarting it in 5 s", self.router.returncode)
+                    due["router"] = now + 5.0
+                elif now >= due["router"]:
+                    del due["router"]
+                    self.start_router()
             time.sleep(poll_s)
 
     def stop(self) -> None:
         """The router first (no new requests), then every replica drains and stops."""
         self.stopping = True
-        procs = ([self.router] if self.router is not None else []) + [r.proc for r in self.replicas if r.proc]
-        for i, p in enumerate(procs):
+        grace = self.server.shutdown_timeout + 10.0
+        if self.router is not None:  # it lets the requests passing through finish (its grace period)
+            if self.router.poll() is None:
+                self.router.send_signal(signal.SIGTERM)
+            _wait(self.router, grace)
+        procs = [r.proc for r in self.replicas if r.proc]
+        for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-            if i == 0 and self.router is not None:
-                _wait(p, 10.0)
-        deadline = time.monotonic() + self.server.shutdown_timeout + 10.0
+        deadline = time.monotonic() + grace
         for p in procs:
             _wait(p, max(deadline - time.monotonic(), 0.1))
+
+
+def _die_with_parent() -> None:
+    """(In a child, before exec) SIGTERM when the launcher dies, even by SIGKILL (Linux), so that no
+    replica or router outlives it holding its port."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _wait(p: subprocess.Popen, timeout: float) -> None:

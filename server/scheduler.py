@@ -125,12 +125,6 @@ class Scheduler(Admission, Dispatch):
                 self._last_busy = time.perf_counter()
         return not busy and time.perf_counter() - self._last_busy >= seconds
 
-    def forget(self, rows, col: int) -> None:
-        """The slots `rows` are overwritten from column `col` on (a program run on free slots):
-        their cached prefixes are cut (server/prefix_cache.py PrefixCache.forget)."""
-        with self.lock:
-            self.cache.forget(rows, col)
-
     def flush_cache(self) -> int:
         """Forgets every cached prefix (free slots; running requests keep theirs). Returns how many slots held one."""
         with self.lock:

@@ -176,6 +176,12 @@ class SchedulerState:
     def running(self) -> int:
         return len(self.busy)
 
+    def forget(self, rows, col: int) -> None:
+        """The slots `rows` are overwritten from column `col` on (a program run on free slots):
+        their cached prefixes are cut (server/prefix_cache.py PrefixCache.forget)."""
+        with self.lock:
+            self.cache.forget(rows, col)
+
     # ---- failures ----------------------------------------------------------------------------
 
     def _guarded(self, what: str, reqs: list[Request], fn) -> bool:

@@ -40,7 +40,9 @@ def test_bad_dp_flags_fail_before_loading(capsys, monkeypatch):
     assert "--dp-size must be >= 1" in serve_error(capsys, "--dp-size", "0")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    assert "need a core each; this process may use 2" in serve_error(capsys, "--dp-size", "3")
+    free = str(free_port())  # (not the default port: a server may be running there)
+    assert "need a core each; this process may use 2" in serve_error(capsys, "--dp-size", "3", "--port", free)
+    assert "needs GPUs" in serve_error(capsys, "--dp-size", "2", "--tp-size", "2", "--port", free)
     with socket.socket() as s:  # the router's port in use
         s.bind(("127.0.0.1", 0))
         s.listen()

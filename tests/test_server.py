@@ -367,6 +367,12 @@ def test_metrics_and_server_info(spec_server):
     assert st == 200 and info["speculative_algorithm"] == "STANDALONE" and info["avg_spec_accept_length"] >= 1
     assert info["internal_states"][0]["avg_spec_accept_length"] == info["avg_spec_accept_length"]
     assert "api_key" not in info
+    # what SGLang's router reads of a worker: /server_info and /model_info (the model named as served)
+    st, again, _ = spec_server.request("GET", "/server_info")
+    assert st == 200 and again["speculative_algorithm"] == "STANDALONE"
+    for path in ("/get_model_info", "/model_info"):
+        st, card, _ = spec_server.request("GET", path)
+        assert st == 200 and card["is_generation"] and card["model_path"] == info["served_model_name"], card
 
 
 def test_prefix_cache_over_http(spec_server):
