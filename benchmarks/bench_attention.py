@@ -46,8 +46,8 @@ def median_ms(f, *args, reps=20):
 
 
 def kernels(smoke: bool):
-    from pallas_kernels.decode_attention import decode_attention
-    from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
+    from jaxspec.pallas_kernels.decode_attention import decode_attention
+    from jaxspec.pallas_kernels.tree_attention import tree_attention, tree_attention_reference
 
     interpret = jax.default_backend() != "gpu"
     hkv, g, d = (2, 4, 64) if smoke else (8, 4, 128)

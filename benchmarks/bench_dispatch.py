@@ -36,7 +36,7 @@ import jaxspec
 from jaxspec import sampling
 from jaxspec.cache import KVCache
 from jaxspec.sampling import SamplingParams, SamplingTensors
-from server.scheduler import Scheduler
+from jaxspec.server.scheduler import Scheduler
 
 
 def time_dispatch(

@@ -112,7 +112,7 @@ def main() -> None:
     js = token_counts(outs, target.cfg.vocab_size)
     with open(os.path.join(head, "config.json")) as f:
         n_have = json.load(f)["draft_vocab_size"]
-    from convert.sources import open_source
+    from jaxspec.convert.sources import open_source
 
     d2t = np.asarray(open_source(head).get("d2t"), np.int64)
     have = set((np.arange(n_have) + d2t).tolist())

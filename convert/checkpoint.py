@@ -17,8 +17,8 @@ import os
 import numpy as np
 from tqdm.auto import tqdm
 
-from convert.sources import Source, open_source
 from jaxspec.config import ModelConfig
+from jaxspec.convert.sources import Source, open_source
 from jaxspec.errors import JaxspecError
 from jaxspec.models.eagle import eagle_config
 

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from convert.source import Source
+from jaxspec.convert.source import Source
 from jaxspec.errors import JaxspecError
 
 ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM")}

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from convert.gguf_llama import open_gguf
-from convert.source import Source, hf_tokenizer
 from jaxspec.config import EAGLE_ARCHS, ModelConfig, read_json
+from jaxspec.convert.gguf_llama import open_gguf
+from jaxspec.convert.source import Source, hf_tokenizer
 from jaxspec.errors import JaxspecError
 
 

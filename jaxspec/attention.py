@@ -10,7 +10,7 @@ A verification tree passes its ancestor mask [B, N, N]; a draft tree step passes
 draft-tree tokens so far — never a dense [B, N, S] mask.
 
 Backends:
-  "xla"     the pure-jnp reference (`pallas_kernels.tree_attention.tree_attention_reference`); any
+  "xla"     the pure-jnp reference (`jaxspec.pallas_kernels.tree_attention.tree_attention_reference`); any
             shape; the CPU default and the fallback.
   "pallas"  the Pallas GPU kernels: `decode_attention` for one causal query per slot, `tree_attention`
             for everything else (verification trees, draft beams, prefill chunks). Off the GPU they
@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import decode_attention as _decode
-from pallas_kernels import tree_attention as _tree
+from jaxspec.pallas_kernels import decode_attention as _decode
+from jaxspec.pallas_kernels import tree_attention as _tree
 
 BACKENDS = ("xla", "pallas")
 MODES = ("prefill", "decode")

@@ -10,7 +10,6 @@ import json
 import os
 import sys
 
-from convert.checkpoint import convert
 from jaxspec.args import (
     ConvertArgs,
     EngineArgs,
@@ -24,6 +23,7 @@ from jaxspec.args import (
     sampling_from_namespace,
 )
 from jaxspec.bench import BenchArgs, run_sweep
+from jaxspec.convert.checkpoint import convert
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingParams
@@ -42,7 +42,7 @@ def _add_engine_args(p: argparse.ArgumentParser, multi_host: bool = True) -> Non
 def _serve(args) -> int:
     # the web stack (fastapi, uvicorn) is loaded only to serve: convert, generate, bench and
     # train-draft run where it is not installed (a GPU machine without network, say)
-    from server.launch import cmd_serve
+    from jaxspec.server.launch import cmd_serve
 
     return cmd_serve(args)
 

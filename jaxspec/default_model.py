@@ -10,7 +10,7 @@ import importlib.util
 import json
 import os
 
-from convert.checkpoint import convert
+from jaxspec.convert.checkpoint import convert
 from jaxspec.errors import JaxspecError
 from jaxspec.paths import cache_dir
 

@@ -7,9 +7,9 @@ import os
 
 import jax.numpy as jnp
 
-from convert.source import hf_tokenizer
-from convert.sources import checkpoint_quantization, open_source
 from jaxspec.config import ModelConfig
+from jaxspec.convert.source import hf_tokenizer
+from jaxspec.convert.sources import checkpoint_quantization, open_source
 from jaxspec.default_model import default_model_path
 from jaxspec.errors import JaxspecError
 from jaxspec.models.llama import LlamaForCausalLM
@@ -34,7 +34,7 @@ class LoadedModel:
     tokenizer: object
     path: str
     source_kind: str  # "hf" (also jaxspec checkpoints) | "gguf"
-    # the checkpoint's own quantization (convert.sources.checkpoint_quantization: fp8, int8 or
+    # the checkpoint's own quantization (jaxspec.convert.sources.checkpoint_quantization: fp8, int8 or
     # w8a8_int8; its weights are read back dequantised), served unless --quantization says otherwise
     quantization: str | None = None
 

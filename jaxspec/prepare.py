@@ -25,9 +25,9 @@ from typing import Any
 import jax
 from flax import nnx
 
-from convert.sources import open_hf_dir
 from jaxspec.args import EngineArgs
 from jaxspec.config import SpecConfig
+from jaxspec.convert.sources import open_hf_dir
 from jaxspec.drafts import bundled_draft_for
 from jaxspec.loader import LoadedModel
 from jaxspec.models.llama import fuse_projections, out_major

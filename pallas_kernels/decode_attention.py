@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.tree_attention import DEFAULT_BLOCKS, Blocks, tree_attention
+from jaxspec.pallas_kernels.tree_attention import DEFAULT_BLOCKS, Blocks, tree_attention
 
 
 def softmax_parts(scores, vis):

@@ -18,8 +18,8 @@ import numpy as np
 from jaxspec import grammar
 from jaxspec.requests import common_prefix, draft_prompt
 from jaxspec.sampling import SamplingTensors
-from server.records import Pending, PrefillGroup, Request
-from server.scheduler_state import SchedulerState
+from jaxspec.server.records import Pending, PrefillGroup, Request
+from jaxspec.server.scheduler_state import SchedulerState
 
 
 class Admission(SchedulerState):

@@ -11,10 +11,10 @@ import logging
 
 from fastapi import FastAPI
 
-from server import native_api, openai_api, protocol
-from server.context import ServerContext
-from server.errors import Guard, install_handlers
-from server.scheduler import Scheduler
+from jaxspec.server import native_api, openai_api, protocol
+from jaxspec.server.context import ServerContext
+from jaxspec.server.errors import Guard, install_handlers
+from jaxspec.server.scheduler import Scheduler
 
 logger = logging.getLogger("jaxspec.server")
 

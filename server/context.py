@@ -23,9 +23,9 @@ from fastapi import Request
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingParams
-from server.errors import HTTPError, parse_json
-from server.scheduler import QueueFull, Scheduler
-from server.scheduler import Request as SchedRequest
+from jaxspec.server.errors import HTTPError, parse_json
+from jaxspec.server.scheduler import QueueFull, Scheduler
+from jaxspec.server.scheduler import Request as SchedRequest
 
 logger = logging.getLogger("jaxspec.server")
 

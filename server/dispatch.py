@@ -18,10 +18,10 @@ from jaxspec import grammar
 from jaxspec.decode import LENGTH, STOPPED
 from jaxspec.requests import bucket, finish_reason, logprob_rows, make_result, output_logprobs
 from jaxspec.sampling import any_sampled, skips_unused
+from jaxspec.server.detokenize import detokenize
+from jaxspec.server.records import Pending, Request
+from jaxspec.server.scheduler_state import SchedulerState
 from jaxspec.speculative.adaptive import OFF, shape_label
-from server.detokenize import detokenize
-from server.records import Pending, Request
-from server.scheduler_state import SchedulerState
 
 logger = logging.getLogger("jaxspec.server")
 

@@ -12,9 +12,9 @@ import jax
 
 from jaxspec.args import EngineArgs, ServerArgs, compatibility_notes, from_namespace
 from jaxspec.engine import Engine
-from server import replicas
-from server.app import create_app
-from server.scheduler import Scheduler, warmup
+from jaxspec.server import replicas
+from jaxspec.server.app import create_app
+from jaxspec.server.scheduler import Scheduler, warmup
 
 logger = logging.getLogger("jaxspec.server")
 

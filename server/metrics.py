@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.scheduler import Scheduler
+from jaxspec.server.scheduler import Scheduler
 
 
 def prometheus_text(sched: Scheduler, model: str) -> str:

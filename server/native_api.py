@@ -13,10 +13,10 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from jaxspec.requests import input_logprobs, output_logprobs, with_token_text
 from jaxspec.sampling import nth_sample
-from server import protocol
-from server.context import context, sse
-from server.errors import error_body, error_response, openapi_body
-from server.metrics import prometheus_text
+from jaxspec.server import protocol
+from jaxspec.server.context import context, sse
+from jaxspec.server.errors import error_body, error_response, openapi_body
+from jaxspec.server.metrics import prometheus_text
 
 router = APIRouter()
 

@@ -11,10 +11,10 @@ from fastapi.responses import StreamingResponse
 
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import nth_sample
-from server import protocol, tools
-from server.context import ServerContext, Submission, context, finish_fields, spec_metrics, sse
-from server.errors import error_body, openapi_body
-from server.logprobs import chat_logprobs, completion_logprobs, merge_completion, rows_from_meta
+from jaxspec.server import protocol, tools
+from jaxspec.server.context import ServerContext, Submission, context, finish_fields, spec_metrics, sse
+from jaxspec.server.errors import error_body, openapi_body
+from jaxspec.server.logprobs import chat_logprobs, completion_logprobs, merge_completion, rows_from_meta
 
 router = APIRouter()
 

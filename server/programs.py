@@ -61,10 +61,10 @@ from tqdm.auto import tqdm
 from jaxspec.cache import KVCache
 from jaxspec.requests import bucket
 from jaxspec.sampling import SamplingParams, SamplingTensors, skips_unused
+from jaxspec.server.memory import ProgramMemory, map_usage, program_budget, trim_heap
 from jaxspec.serving import admit_chunk, admit_finish, copy_prefix, dispatch
 from jaxspec.speculative.adaptive import OFF
 from jaxspec.weights import Models
-from server.memory import ProgramMemory, map_usage, program_budget, trim_heap
 
 logger = logging.getLogger("jaxspec.server")
 

@@ -31,7 +31,7 @@ from jaxspec.sampling import (
     TopK,
     sampling_params_schema,
 )
-from server import tools
+from jaxspec.server import tools
 
 
 class _Body(BaseModel):

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from jaxspec.sampling import SamplingParams
-from server.detokenize import DetokState
+from jaxspec.server.detokenize import DetokState
 
 logger = logging.getLogger("jaxspec.server")
 

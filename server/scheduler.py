@@ -28,10 +28,10 @@ import time
 from jaxspec.errors import JaxspecError
 from jaxspec.requests import check_prompt, check_stop_token_ids, stop_token_ids
 from jaxspec.sampling import SamplingParams
-from server.admission import Admission
-from server.dispatch import Dispatch
-from server.memory import rss_bytes, trim_heap
-from server.records import QueueFull, Request, Stats
+from jaxspec.server.admission import Admission
+from jaxspec.server.dispatch import Dispatch
+from jaxspec.server.memory import rss_bytes, trim_heap
+from jaxspec.server.records import QueueFull, Request, Stats
 
 __all__ = ["QueueFull", "Request", "Scheduler", "warmup"]
 

@@ -23,12 +23,12 @@ from jaxspec.config import SpecConfig
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.logprobs import top_k_for
+from jaxspec.server.memory import MemoryPlan, map_usage, plan_slots, release_pages, rss_bytes
+from jaxspec.server.prefix_cache import PrefixCache
+from jaxspec.server.programs import Programs
+from jaxspec.server.records import Pending, PrefillGroup, Request, Stats
 from jaxspec.serving import SlotBatch
 from jaxspec.speculative.adaptive import SERVER_MARGIN, Adaptive, shape_label
-from server.memory import MemoryPlan, map_usage, plan_slots, release_pages, rss_bytes
-from server.prefix_cache import PrefixCache
-from server.programs import Programs
-from server.records import Pending, PrefillGroup, Request, Stats
 
 logger = logging.getLogger("jaxspec.server")
 

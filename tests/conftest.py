@@ -41,7 +41,7 @@ def _drop_compiled_programs() -> None:
     import jax
 
     jax.clear_caches()
-    for module in ("server.programs", "jaxspec.engine"):
+    for module in ("jaxspec.server.programs", "jaxspec.engine"):
         if module in sys.modules:
             sys.modules[module].clear_cache()
     gc.collect()

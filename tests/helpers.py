@@ -383,7 +383,7 @@ class Server:
 
 def start(model_dirs, **flags):
     from jaxspec.cli import build_parser
-    from server.launch import build
+    from jaxspec.server.launch import build
 
     argv = [
         "serve",

@@ -198,7 +198,7 @@ def test_server_costs_a_greedy_call_of_a_sampling_program_as_greedy(monkeypatch)
     server keeps that dispatch's cost with the greedy ones; where programs are straight-line (GPU)
     it is a sampling cost whoever calls."""
     from jaxspec import sampling
-    from server.dispatch import cost_kind
+    from jaxspec.server.dispatch import cost_kind
 
     sampling_prog, greedy_prog = (
         ("dispatch", 4, 256, True, OFF, False, False),
@@ -218,7 +218,7 @@ def test_no_greedy_only_programs_where_sampling_ones_skip_their_sampler(models, 
     import jax
 
     from jaxspec import sampling
-    from server.scheduler import Scheduler
+    from jaxspec.server.scheduler import Scheduler
 
     sched = Scheduler(engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True), max_running_requests=2)
     kinds = lambda: {k[3] for k in sched.programs.background_keys() if k[0] == "dispatch"}
@@ -313,7 +313,7 @@ def test_flags(models):  # noqa: F811
 def _serve(eng, prompts, params, order, slots=2, **kw):
     """Runs `prompts` through a Scheduler whose adaptive choice per dispatch follows `order` (as
     _forced). Returns (results, scheduler)."""
-    from server.scheduler import Request, Scheduler
+    from jaxspec.server.scheduler import Request, Scheduler
 
     sched = Scheduler(eng, max_running_requests=slots, **kw)
     shapes = itertools.cycle(order)
@@ -360,7 +360,7 @@ def test_server_measures_costs_and_acceptance(models, plain):  # noqa: F811
     """A real (unforced) adaptive scheduler measures rounds of each candidate (at some batch size),
     collects each speculative request's acceptance (the target as its own draft accepts every
     draft token), and then runs mostly the candidate that its own measurements favour."""
-    from server.scheduler import Request, Scheduler
+    from jaxspec.server.scheduler import Request, Scheduler
 
     eng = engine(models, "STANDALONE", "target", (4, 1, 5), speculative_adaptive=True)
     sched = Scheduler(eng, max_running_requests=2, overlap=False)
@@ -408,7 +408,7 @@ def test_server_candidate_programs_compile_in_the_background(models):  # noqa: F
     speculation off); the other twins of the start-up dispatches for the other candidates (plain
     steps, the shallower tree) are background programs, and a call runs another candidate only
     once a program of it is compiled (until then the configured shape serves it)."""
-    from server.scheduler import Scheduler
+    from jaxspec.server.scheduler import Scheduler
 
     eng = engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True)
     sched = Scheduler(eng, max_running_requests=2)
@@ -437,7 +437,7 @@ def test_server_dispatch_programs_have_no_vocab_sort_and_no_branch(models, monke
     for a GPU, compiles to straight-line bodies: no sort over the vocabulary, no conditional."""
     from test_sampling import assert_no_vocab_sort_or_branch
 
-    from server.scheduler import Scheduler
+    from jaxspec.server.scheduler import Scheduler
 
     from helpers import V, straight_line_sampler
 
@@ -457,8 +457,8 @@ def test_background_compiles_stop_within_the_memory_map_budget(models, monkeypat
     """Each XLA:CPU program holds hundreds of memory maps and the kernel's limit is fixed: once the
     process is past MAP_BUDGET of it, the background compile stops (with a warning) instead of
     compiling until a compile fails and aborts the server."""
-    import server.programs as programs_module
-    from server.scheduler import Scheduler
+    import jaxspec.server.programs as programs_module
+    from jaxspec.server.scheduler import Scheduler
 
     sched = Scheduler(engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True), max_running_requests=2)
     progs = sched.programs
@@ -479,7 +479,7 @@ def test_background_compiles_stop_within_the_memory_map_budget(models, monkeypat
 def test_background_compiles_stop_within_the_program_memory_budget(models, monkeypatch, caplog):  # noqa: F811
     """Compiled programs take tens of MB of host memory each (measured at start-up): the background
     compile stops, with a warning, once one more program would pass their budget."""
-    from server.scheduler import Scheduler
+    from jaxspec.server.scheduler import Scheduler
 
     sched = Scheduler(engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True), max_running_requests=2)
     progs = sched.programs
@@ -499,7 +499,7 @@ def test_program_spans_and_the_constrained_cover(models):  # noqa: F811
     context of 2^k reads 2^k + scratch columns: one set of programs for both); every call's span
     is one of them; the start-up set serves constrained requests (with logprobs or not) at short
     spans and at every other."""
-    from server.scheduler import Scheduler
+    from jaxspec.server.scheduler import Scheduler
 
     eng = engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True)
     sched = Scheduler(eng, max_running_requests=2)
@@ -519,8 +519,8 @@ def test_programs_calls_want_compile_first_and_past_the_list_budget(models, monk
     """A call served through a larger program asks for its own (`want`): the background compiles it
     before its list, and goes on compiling such programs after the list stopped at MAP_BUDGET,
     up to WANTED_BUDGET."""
-    import server.programs as programs_module
-    from server.scheduler import Scheduler
+    import jaxspec.server.programs as programs_module
+    from jaxspec.server.scheduler import Scheduler
 
     sched = Scheduler(engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True), max_running_requests=2)
     progs = sched.programs

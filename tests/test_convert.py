@@ -9,10 +9,10 @@ import shutil
 import numpy as np
 import pytest
 
-from convert.checkpoint import convert
-from convert.gguf_llama import unpermute
-from convert.sources import open_source
 from jaxspec.config import ModelConfig
+from jaxspec.convert.checkpoint import convert
+from jaxspec.convert.gguf_llama import unpermute
+from jaxspec.convert.sources import open_source
 from jaxspec.default_model import default_gguf_path, default_model_path
 from jaxspec.errors import JaxspecError
 from jaxspec.loader import load

@@ -33,6 +33,8 @@ def _modules() -> dict[str, str]:
                 if f.endswith(".py"):
                     path = os.path.join(d, f)
                     name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                    if pkg != "jaxspec":  # the top-level folders are jaxspec's subpackages
+                        name = f"jaxspec.{name}"
                     mods[name.removesuffix(".__init__")] = path
     return mods
 

@@ -14,8 +14,8 @@ from helpers import FAMILIES
 
 def load_dir(path, dtype="float32"):
     """Loads weights + config of an HF directory (tiny models have no tokenizer)."""
-    from convert.sources import open_source
     from jaxspec.config import ModelConfig
+    from jaxspec.convert.sources import open_source
     from jaxspec.loader import jnp_dtype
     from jaxspec.models.params import load_model
 

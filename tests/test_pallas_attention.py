@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.pallas_kernels.decode_attention import decode_attention, decode_attention_reference
+from jaxspec.pallas_kernels.tree_attention import Blocks, tree_attention, tree_attention_reference
 from jaxspec.speculative.tree import build_tree
-from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
-from pallas_kernels.tree_attention import Blocks, tree_attention, tree_attention_reference
 
 INTERPRET = jax.default_backend() != "gpu"
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}

@@ -213,7 +213,7 @@ def test_blockwise_fp8_checkpoint_loads(models, tmp_path):  # noqa: F811
     import torch
     from safetensors.torch import load_file, save_file
 
-    from convert.sources import open_hf_dir
+    from jaxspec.convert.sources import open_hf_dir
 
     src, bo, bi = models["target"], 48, 32
     tensors = load_file(f"{src}/model.safetensors")
@@ -353,7 +353,7 @@ def test_unsupported_quantized_checkpoints_are_clear_errors(models, tmp_path):  
     import torch
     from safetensors.torch import load_file, save_file
 
-    from convert.sources import checkpoint_quantization, open_hf_dir
+    from jaxspec.convert.sources import checkpoint_quantization, open_hf_dir
 
     assert checkpoint_quantization({}) is None
     assert checkpoint_quantization({"quantization_config": {"quant_method": "FP8"}}) == "fp8"

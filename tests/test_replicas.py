@@ -23,7 +23,7 @@ import pytest
 
 from jaxspec.args import EngineArgs, ServerArgs, from_namespace, to_argv
 from jaxspec.cli import build_parser, main
-from server import replicas
+from jaxspec.server import replicas
 
 from helpers import free_port, model_dirs, serve_subprocess  # noqa: F401  (fixture)
 

@@ -511,7 +511,7 @@ def test_default_model_server_matches_offline_greedy(default_engine):
     """`make serve`'s configuration (SmolLM2 + its shipped EAGLE-3 head): chat over HTTP gives the
     plain engine's greedy tokens."""
     from jaxspec.cli import build_parser
-    from server.launch import build
+    from jaxspec.server.launch import build
 
     app, sched = build(
         build_parser().parse_args(

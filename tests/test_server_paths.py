@@ -404,7 +404,7 @@ def test_incremental_detokenizer_never_splits_a_character(tok, per_step):
     """Scheduler._detok fed a few tokens at a time: no delta holds U+FFFD and the deltas add up to
     the full decode, with and without a stop string."""
     from jaxspec.sampling import SamplingParams
-    from server.scheduler import Request, Scheduler
+    from jaxspec.server.scheduler import Request, Scheduler
 
     fake = types.SimpleNamespace(eng=types.SimpleNamespace(tokenizer=tok), tok_lock=threading.Lock())
     for text in DETOK_TEXTS:

@@ -14,7 +14,7 @@ import pytest
 
 from jaxspec.engine import Engine
 from jaxspec.sampling import SamplingParams
-from server.scheduler import Request, Scheduler
+from jaxspec.server.scheduler import Request, Scheduler
 
 from helpers import add_mtp_modules, make_hf_model, save_eagle_head
 

@@ -156,7 +156,7 @@ def test_convert_eagle_bin_checkpoint(models, plain, tmp_path):  # noqa: F811
 
     from safetensors.numpy import load_file
 
-    from convert.checkpoint import convert
+    from jaxspec.convert.checkpoint import convert
 
     src = tmp_path / "bin"
     src.mkdir()

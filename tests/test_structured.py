@@ -422,7 +422,7 @@ def _grammars(tok):
 
 
 def test_tool_output_parsing():
-    from server import tools
+    from jaxspec.server import tools
 
     p = tools.ToolPlan([WEATHER, TIME], "auto")
     content, calls = tools.parse(

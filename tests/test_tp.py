@@ -209,7 +209,7 @@ def _tiny_checks(d: str) -> dict:
     from jaxspec.engine import Engine
     from jaxspec.errors import JaxspecError
     from jaxspec.sampling import SamplingParams
-    from server.scheduler import Request, Scheduler
+    from jaxspec.server.scheduler import Request, Scheduler
 
     drafts = {
         "NONE": {},

@@ -72,7 +72,7 @@ prepare)
   stage 3
   {
     cat $W/gg.00 $W/gg.01 $W/gg.02 > $W/model.gguf && echo "$GGUF_SHA  $W/model.gguf" | sha256sum -c - || exit 1
-    cd "$REPO" && python3 -c "import sys; from convert.checkpoint import convert; convert(*sys.argv[1:], progress=False)" $W/model.gguf $MODEL float32 || exit 1
+    cd "$REPO" && python3 -c "import sys; from jaxspec.convert.checkpoint import convert; convert(*sys.argv[1:], progress=False)" $W/model.gguf $MODEL float32 || exit 1
     mtbench pallas
   } 2>&1 | tee "$OUT/part3.log"
   ;;

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from convert.sources import open_source
 from jaxspec.args import DTYPES, ModelArgs, add_arguments, flag, from_namespace
+from jaxspec.convert.sources import open_source
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.loader import load, resolve_model_path

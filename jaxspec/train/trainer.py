@@ -30,9 +30,9 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
-from convert.checkpoint import np_dtype
 from jaxspec.args import flag
 from jaxspec.cache import KVCache
+from jaxspec.convert.checkpoint import np_dtype
 from jaxspec.errors import JaxspecError
 from jaxspec.models.eagle import build_eagle, eagle3_capture_layers, eagle_config, eagle_key
 from jaxspec.models.params import load_module, module_tensors
@@ -73,7 +73,7 @@ class TrainConfig:
 
 def _read_head(path: str, algorithm: str) -> dict[str, np.ndarray]:
     """The tensors of a head written before (public layout), checked to be of `algorithm`'s kind."""
-    from convert.sources import open_source
+    from jaxspec.convert.sources import open_source
 
     src = open_source(path)
     kind = eagle_config(src.config)[0] if src.kind == "eagle" else None

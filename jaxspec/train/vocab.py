@@ -67,7 +67,7 @@ def extend_head(head_dir: str, target_rows: np.ndarray, add, out_dir: str, ridge
     held-out fit of the row map (fitted on 90% of the existing rows, scored on the rest)."""
     from safetensors.numpy import save_file
 
-    from convert.sources import open_source
+    from jaxspec.convert.sources import open_source
 
     src = open_source(head_dir)
     if src.kind != "eagle" or "d2t" not in src.names:

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from convert.sources import open_hf_dir
 from jaxspec.cache import KVCache
+from jaxspec.convert.sources import open_hf_dir
 from jaxspec.decode import pick_rows
 from jaxspec.errors import JaxspecError
 from jaxspec.loader import jnp_dtype
