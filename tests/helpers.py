@@ -404,10 +404,13 @@ def start(model_dirs, **flags):
     return Server(app, sched)
 
 
-def serve_subprocess(flags: list[str]) -> tuple[subprocess.Popen, int]:
-    """`python -m jaxspec.cli serve FLAGS` on a free port, returned once /health answers 200:
-    (the process, with stdout and stderr merged into p.stdout; its port)."""
-    port = free_port()
+def serve_subprocess(
+    flags: list[str], port: int | None = None, ready: str = "/health", timeout: float = 120
+) -> tuple[subprocess.Popen, int]:
+    """`python -m jaxspec.cli serve FLAGS` on `port` (default: a free one), returned once `ready`
+    answers 200 (within `timeout` seconds): (the process, with stdout and stderr merged into
+    p.stdout; its port)."""
+    port = port or free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     p = subprocess.Popen(
         [sys.executable, "-m", "jaxspec.cli", "serve", "--port", str(port)] + flags,
@@ -422,14 +425,14 @@ def serve_subprocess(flags: list[str]) -> tuple[subprocess.Popen, int]:
             raise AssertionError(p.stdout.read())
         try:
             c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            c.request("GET", "/health")
+            c.request("GET", ready)
             if c.getresponse().status == 200:
                 return p, port
         except OSError:
             pass
-        if time.time() - t > 120:
+        if time.time() - t > timeout:
             p.kill()
-            raise AssertionError("jaxspec serve did not answer /health within 120 s")
+            raise AssertionError(f"jaxspec serve did not answer {ready} within {timeout:.0f} s")
         time.sleep(0.3)
 
 

@@ -113,21 +113,7 @@ def _group(flags: list[str]) -> tuple[subprocess.Popen, int]:
     port = free_port()
     while not all(replicas.port_free("127.0.0.1", port + i) for i in range(3)):
         port = free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    argv = [sys.executable, "-m", "jaxspec.cli", "serve", "--dp-size", "2", "--port", str(port), *flags]
-    p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    t = time.time()
-    while True:
-        assert p.poll() is None, p.stdout.read()
-        try:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            c.request("GET", "/v1/models")
-            if c.getresponse().status == 200:
-                return p, port
-        except OSError:
-            pass
-        assert time.time() - t < 600, "the replica group did not start within 600 s"
-        time.sleep(1)
+    return serve_subprocess(["--dp-size", "2", *flags], port=port, ready="/v1/models", timeout=600)
 
 
 def _stop(p: subprocess.Popen) -> None:
