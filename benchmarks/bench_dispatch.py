@@ -30,7 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import machine
+from common import BENCH_CONTEXT, add_model_arguments, machine
 
 import jaxspec
 from jaxspec import sampling
@@ -83,7 +83,7 @@ def main():
     ap.add_argument("--slots", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--span", type=int, default=256)
     ap.add_argument("--reps", type=int, default=12)
-    ap.add_argument("--context-length", type=int, default=1024)
+    add_model_arguments(ap, BENCH_CONTEXT)
     ap.add_argument("--in-major", action="store_true", help="in-major kernels (the layout GPU engines use)")
     ap.add_argument(
         "--sampled",
@@ -103,7 +103,12 @@ def main():
     if args.temperature > 0 and not args.sampled:
         ap.error("--temperature above 0 needs --sampled (greedy programs have no sampler)")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p)
-    kw = dict(show_progress=False, context_length=args.context_length, _out_major=not args.in_major)
+    kw = dict(
+        show_progress=False,
+        model_path=args.model_path,
+        context_length=args.context_length,
+        _out_major=not args.in_major,
+    )
     plain = jaxspec.Engine(speculative_algorithm="NONE", **kw)
     spec = jaxspec.Engine(**kw)
     print(

@@ -25,9 +25,8 @@ import time
 
 import numpy as np
 from bench_serve import free_port, metric_values, start_server, stream_chat, wait_background
-from common import machine
+from common import BENCH_CONTEXT, add_model_arguments, machine
 
-from jaxspec.args import ModelArgs, add_arguments
 from jaxspec.bench import mtbench_questions
 
 
@@ -90,8 +89,7 @@ def main():
     ap.add_argument("--burst", type=int, default=16, help="concurrent requests sharing the system prompt")
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--burst-tokens", type=int, default=16, help="each burst request's answer")
-    ap.add_argument("--context-length", type=int, default=2048)
-    add_arguments(ap, ModelArgs, title="model", only=("model_path",))
+    add_model_arguments(ap, BENCH_CONTEXT)
     ap.add_argument("--startup-timeout", type=float, default=1800)
     ap.add_argument("--out", default="benchmarks/out")
     ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra `jaxspec serve` flags (last)")

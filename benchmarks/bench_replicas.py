@@ -1,7 +1,7 @@
 """Data-parallel scaling: 2 replicas x 1 core behind SGLang's router against 1 replica x 1 core.
 
     python benchmarks/bench_replicas.py [--modes plain eagle3] [--concurrency 8] [--requests 32]
-        [--max-tokens 64] [--context-length 2048] [--out DIR]
+        [--max-tokens 64] [--context-length N] [--model-path P] [--out DIR]
 
 For each mode it starts one `jaxspec serve` pinned to core 0 (CPU affinity), measures, stops it,
 then starts `jaxspec serve --dp-size 2` (replicas on cores 0 and 1, the router on top) and measures
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from common import machine, mtbench_first_turns
+from common import BENCH_CONTEXT, add_model_arguments, machine, mtbench_first_turns
 
 MODES = {"plain": ["--speculative-algorithm", "NONE"], "eagle3": []}  # eagle3: the shipped head, adaptive
 
@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--context-length", type=int, default=2048)
+    add_model_arguments(ap, BENCH_CONTEXT)
     ap.add_argument("--port", type=int, default=31200)
     ap.add_argument("--out", default="/tmp/bench_replicas")
     args = ap.parse_args()
@@ -106,6 +106,7 @@ def main() -> None:
         raise SystemExit("needs 2 cores")
     questions = mtbench_first_turns(args.requests)
     common = ["--context-length", str(args.context_length), "--max-running-requests", str(args.concurrency)]
+    common += ["--model-path", args.model_path] if args.model_path else []
     common += ["--cuda-graph-max-bs", str(args.concurrency), "--log-level", "warning"]
     rows = []
     for mode in args.modes:

@@ -29,9 +29,7 @@ import threading
 import time
 
 import numpy as np
-from common import machine, mtbench_first_turns
-
-from jaxspec.args import ModelArgs, add_arguments
+from common import BENCH_CONTEXT, add_model_arguments, machine, mtbench_first_turns
 
 MODES = {
     "plain": ["--speculative-algorithm", "NONE"],
@@ -237,8 +235,7 @@ def main():
         "all requests of a level sent at once its wall time is the longest one's)",
     )
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="levels are run at each")
-    ap.add_argument("--context-length", type=int, default=2048)
-    add_arguments(ap, ModelArgs, title="model", only=("model_path",))
+    add_model_arguments(ap, BENCH_CONTEXT)
     ap.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed pass before each level")
     ap.add_argument("--startup-timeout", type=float, default=900)
     ap.add_argument("--out", default="benchmarks/out")

@@ -2,7 +2,7 @@
 persistent compilation cache) and warm (second start), and the TTFT of the first request of each
 new prompt length after start-up against a second identical request.
 
-    python benchmarks/bench_startup.py [--context-length N] [--lengths 20 150 400 1500]
+    python benchmarks/bench_startup.py [--context-length N] [--model-path P] [--lengths 20 150 400 1500]
 
 Runs the commands as a user would (subprocesses, default model + its shipped EAGLE-3 draft) with
 JAXSPEC_COMPILATION_CACHE pointing at a fresh temporary directory; prints a Markdown table.
@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 
+from common import add_model_arguments
+
 
 def cpu() -> str:
     try:
@@ -32,10 +34,10 @@ def cpu() -> str:
     return platform.processor()
 
 
-def timed_generate(env) -> float:
+def timed_generate(env, model: list[str]) -> float:
     t = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "jaxspec.cli", "generate", "--chat", "Say hi.", "--max-new-tokens", "16"],
+        [sys.executable, "-m", "jaxspec.cli", "generate", "--chat", "Say hi.", "--max-new-tokens", "16", *model],
         env=env,
         check=True,
         stdout=subprocess.DEVNULL,
@@ -67,10 +69,12 @@ def metrics(port) -> dict:
     }
 
 
-def serve(env, ctx: int | None, lengths: list[int]) -> dict:
+def serve(env, ctx: int | None, model: list[str], lengths: list[int]) -> dict:
     port = free_port()
-    argv = [sys.executable, "-m", "jaxspec.cli", "serve", "--port", str(port)] + (
-        ["--context-length", str(ctx)] if ctx else []
+    argv = (
+        [sys.executable, "-m", "jaxspec.cli", "serve", "--port", str(port)]
+        + (["--context-length", str(ctx)] if ctx else [])
+        + model
     )
     t = time.perf_counter()
     p = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -107,21 +111,22 @@ def serve(env, ctx: int | None, lengths: list[int]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--context-length", type=int, default=None)
+    add_model_arguments(ap, None)  # the default server: the model's own context
     ap.add_argument("--lengths", type=int, nargs="+", default=[20, 150, 400, 1500])
     ap.add_argument("--skip-generate", action="store_true")
     args = ap.parse_args()
+    model = ["--model-path", args.model_path] if args.model_path else []
     cache = tempfile.mkdtemp(prefix="jaxspec-xla-")
     env = dict(os.environ, JAXSPEC_COMPILATION_CACHE=cache, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     print(f"CPU: {cpu()} ({os.cpu_count()} cores); compilation cache {cache}", flush=True)
     if not args.skip_generate:
-        g1, g2 = timed_generate(env), timed_generate(env)
+        g1, g2 = timed_generate(env, model), timed_generate(env, model)
         print(
             f"| `jaxspec generate --chat 'Say hi.' --max-new-tokens 16` wall | cold {g1:.1f} s | warm {g2:.1f} s |",
             flush=True,
         )
     for label in ("cold", "warm"):
-        r = serve(env, args.context_length, args.lengths)
+        r = serve(env, args.context_length, model, args.lengths)
         print(
             f"| `jaxspec serve` ({label} cache) until /health | {r['startup_s']:.1f} s | compiles on demand after: {r['on_demand']:.0f}; "
             f"background shapes left: {r['background_left']:.0f}; background compile done {r['background_done_s']:.0f} s after launch |",

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import time
 
 import numpy as np
 
+from jaxspec.args import ModelArgs, add_arguments
 from jaxspec.bench import mtbench_first_turns  # noqa: F401 (re-exported for the benchmark scripts)
+
+# The benchmarks' context length (all but bench_startup, which measures the default server): short,
+# so that the servers and engines a benchmark starts side by side fit in memory together.
+BENCH_CONTEXT = 2048
 
 
 def machine() -> str:
@@ -25,6 +31,19 @@ def machine() -> str:
 
     dev = jax.devices()[0]
     return f"{cpu}, {os.cpu_count()} cores, jax {jax.__version__} on {dev.platform}:{dev.device_kind}"
+
+
+def add_model_arguments(ap: argparse.ArgumentParser, context_length: int | None, *fields: str) -> None:
+    """--model-path, --context-length and `fields`, declared once (in ModelArgs) for every benchmark.
+
+    context_length: this benchmark's default (None: the model's own, as `jaxspec serve` has it).
+    """
+    add_arguments(ap, ModelArgs, title="model", only=("model_path", "context_length", *fields))
+    if context_length is not None:
+        ap.set_defaults(context_length=context_length)
+        for action in ap._actions:
+            if action.dest == "context_length":
+                action.help = f"maximum prompt + output tokens (default here: {context_length})"
 
 
 def copy_bandwidth(nbytes: int = 1 << 29, reps: int = 5) -> float:
