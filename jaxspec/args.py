@@ -9,7 +9,7 @@ Four dataclasses hold them, as SGLang's `ServerArgs` does: each field is one fla
 its help text and its choices; `validate()` holds the checks that need no model.
 
   ModelArgs        the target model, its memory and its devices      generate, serve, bench
-  MultiHostArgs    jax.distributed set-up                             generate, bench
+  MultiHostArgs    jax.distributed set-up                             generate, serve, bench
   SpeculativeArgs  SGLang's --speculative-* flags (same names and defaults)
   ServerArgs       the HTTP server                                    serve
 
@@ -127,9 +127,11 @@ def check_choice(args: Any, name: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class MultiHostArgs:
-    """jax.distributed: every host runs the same command (`serve` runs on one host)."""
+    """jax.distributed: every host runs the same command (`serve`: node 0 serves HTTP, the others follow it)."""
 
-    dist_init_addr: str | None = flag(None, "multi-host: HOST:PORT of node 0, the jax.distributed coordinator")
+    dist_init_addr: str | None = flag(
+        None, "multi-host: HOST:PORT of node 0, the jax.distributed coordinator (serve also uses PORT + 1)"
+    )
     nnodes: int = flag(1, "multi-host: number of hosts")
     node_rank: int = flag(0, "multi-host: this host's rank, 0 .. nnodes - 1")
 
@@ -598,7 +600,7 @@ def sampling_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
 # which commands take which group (the flag table in docs/flags.md and the --help test read this)
 COMMANDS: dict[type, tuple[str, ...]] = {
     ModelArgs: ("generate", "serve", "bench"),
-    MultiHostArgs: ("generate", "bench"),
+    MultiHostArgs: ("generate", "serve", "bench"),
     SpeculativeArgs: ("generate", "serve", "bench"),
     ServerArgs: ("serve",),
 }

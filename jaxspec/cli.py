@@ -31,11 +31,9 @@ from jaxspec.sharding import init_distributed
 from jaxspec.train.cli import add_parser as add_train_parser
 
 
-def _add_engine_args(p: argparse.ArgumentParser, multi_host: bool = True) -> None:
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
     add_arguments(p, ModelArgs)
-    # not serve: it runs on one host for now (other hosts would have to replay the scheduler's device calls)
-    if multi_host:
-        add_arguments(p, MultiHostArgs)
+    add_arguments(p, MultiHostArgs)
     add_arguments(p, SpeculativeArgs)
 
 
@@ -135,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
-    _add_engine_args(sv, multi_host=False)
+    _add_engine_args(sv)
     add_arguments(sv, ServerArgs)
     sv.set_defaults(func=_serve)
     b = sub.add_parser("bench", help="bench_speculative-style sweep: batch size x steps x topk x draft tokens")
@@ -149,6 +147,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "dp_size", 1) > 1 and args.nnodes > 1:
+            raise JaxspecError("--dp-size with --nnodes > 1 is not supported: a replica spans the hosts, or a host")
         if hasattr(args, "nnodes"):  # before any other JAX call (importing jax modules is not one)
             init_distributed(args.dist_init_addr, args.nnodes, args.node_rank)
         return args.func(args)

@@ -35,6 +35,7 @@ from jaxspec.decode import LENGTH, RUNNING, STOPPED, DecodeState, decode_step, t
 from jaxspec.grammar import Emitted, mask_logits, sync
 from jaxspec.logprobs import TokenLogprobs, compute
 from jaxspec.sampling import SamplingTensors, sample
+from jaxspec.sharding import put
 from jaxspec.speculative.loop import SpecState, plain_steps, prefill_step, spec_round
 from jaxspec.speculative.proposers.base import DraftState
 from jaxspec.weights import Models
@@ -133,7 +134,7 @@ class SlotBatch:
             jnp.zeros((b,), bool),
             jnp.zeros((b, cfg.hidden_size), dtype),
             jnp.zeros((b, feat), dtype),
-        ).placed(jax.device_put)
+        ).placed(put)
 
     def placed(self, put) -> SlotBatch:
         """Tensor parallel (the target's cache has a sharding): this batch with the target's KV buffers

@@ -25,7 +25,11 @@ gathers), so a speculative round stays one compiled program.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -84,7 +88,7 @@ def placer(mesh: Mesh | None):
     mesh). Loaders call it per tensor, so that no device ever holds the whole model."""
     if mesh is None:
         return None
-    return lambda path, x: jax.device_put(x, NamedSharding(mesh, param_spec(path, x.shape, mesh.shape[AXIS])))
+    return lambda path, x: put(x, NamedSharding(mesh, param_spec(path, x.shape, mesh.shape[AXIS])))
 
 
 def shard_params(state: nnx.State, mesh: Mesh | None) -> nnx.State:
@@ -96,11 +100,68 @@ def shard_params(state: nnx.State, mesh: Mesh | None) -> nnx.State:
     return nnx.from_flat_state([(p, v.replace(place(p, v[...]))) for p, v in nnx.to_flat_state(state)])
 
 
+@dataclasses.dataclass(frozen=True)
+class HostKeys:
+    """PRNG keys as host data (a pytree leaf): key_data and the implementation's name."""
+
+    data: np.ndarray
+    impl: str
+
+
+def _is_keys(x) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def to_host(tree):
+    """tree's arrays as host values (numpy; PRNG keys as HostKeys): picklable, and the same on every
+    process that computed them from the same inputs."""
+
+    def one(x):
+        return (
+            HostKeys(np.asarray(jax.random.key_data(x)), str(jax.random.key_impl(x))) if _is_keys(x) else np.asarray(x)
+        )
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+@functools.lru_cache(maxsize=64)
+def _moved_to(sharding):
+    """A program that re-lays an array out at `sharding` (device_put does not, across processes)."""
+    return jax.jit(lambda x: x, out_shardings=sharding)
+
+
+def put(tree, sharding):
+    """jax.device_put(tree, sharding), also when the sharding spans other processes' devices
+    (several hosts): arrays of this process alone, and to_host's values, go as host values (the
+    same on every process)."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:  # already over the mesh
+            return x if x.sharding.is_equivalent_to(sharding, x.ndim) else _moved_to(sharding)(x)
+        x = to_host(x) if isinstance(x, jax.Array) else x
+        if isinstance(x, HostKeys):
+            return jax.random.wrap_key_data(jax.device_put(x.data, sharding), impl=x.impl)
+        return jax.device_put(np.asarray(x), sharding)
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def to_mesh(tree, mesh: Mesh | None):
+    """to_host's values as arguments of programs whose inputs span several processes' devices
+    (arrays of one process's devices do not match them): host arrays as they are (a program places
+    them as it needs them), PRNG keys replicated over `mesh`."""
+    rep = None if mesh is None else NamedSharding(mesh, P())
+    one = lambda x: jax.random.wrap_key_data(put(x.data, rep), impl=x.impl) if isinstance(x, HostKeys) else x
+    return jax.tree_util.tree_map(one, tree)
+
+
 def replicate(tree, mesh: Mesh | None):
     """Every array of `tree` (draft params and caches, carried state) copied to every device of
     `mesh` (unchanged without a mesh). Inputs that a program returns and takes again start out
     replicated, as it returns them, so that the second call does not compile another program."""
-    return tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, P()))
+    return tree if mesh is None else put(tree, NamedSharding(mesh, P()))
 
 
 def kv_sharding(mesh: Mesh | None) -> NamedSharding | None:

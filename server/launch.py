@@ -10,10 +10,12 @@ import time
 
 import jax
 
-from jaxspec.args import EngineArgs, ServerArgs, compatibility_notes, from_namespace
+from jaxspec.args import EngineArgs, MultiHostArgs, ServerArgs, compatibility_notes, from_namespace
 from jaxspec.engine import Engine
+from jaxspec.errors import JaxspecError
 from jaxspec.server import replicas
 from jaxspec.server.app import create_app
+from jaxspec.server.nodes import Nodes
 from jaxspec.server.scheduler import Scheduler, warmup
 
 logger = logging.getLogger("jaxspec.server")
@@ -25,14 +27,33 @@ def default_served_name(model_path: str | None) -> str:
     return os.path.basename(os.path.normpath(model_path)) or model_path
 
 
+def _nodes(args, eng: Engine) -> Nodes | None:
+    """This process's group of hosts (server/nodes.py), joined; None on one host."""
+    hosts = from_namespace(MultiHostArgs, args)
+    if hosts.nnodes == 1:
+        return None
+    if eng.tp_size != jax.device_count():
+        raise JaxspecError(
+            f"serving across {hosts.nnodes} hosts needs --tp-size {jax.device_count()} (every device of every host), "
+            f"got {eng.tp_size}"
+        )
+    assert hosts.dist_init_addr is not None  # init_distributed has checked it
+    nodes = Nodes(hosts.dist_init_addr, hosts.nnodes, hosts.node_rank)
+    nodes.connect()
+    return nodes
+
+
 def build(args, progress: bool = True):
-    """(app, scheduler) from parsed `jaxspec serve` arguments; raises JaxspecError on bad flags or OOM."""
+    """(app, scheduler) from parsed `jaxspec serve` arguments; raises JaxspecError on bad flags or OOM.
+    On a node other than node 0 of several hosts, app is None: the scheduler's `nodes.follow()`
+    is what that node runs."""
     flags = from_namespace(EngineArgs, args)
     server = from_namespace(ServerArgs, args)
     server.validate()
     for note in compatibility_notes(server):
         logging.getLogger("jaxspec").warning(note)
     eng = Engine(flags, show_progress=progress)
+    nodes = _nodes(args, eng)
     sched = Scheduler(
         eng,
         flags.max_running_requests,
@@ -41,6 +62,7 @@ def build(args, progress: bool = True):
         server.num_continuous_decode_steps,
         overlap=not server.disable_overlap_schedule,
         prefix_cache=not server.disable_radix_cache,
+        nodes=nodes,
     )
     if not server.disable_cuda_graph:
         t = time.perf_counter()
@@ -59,6 +81,8 @@ def build(args, progress: bool = True):
             if server.disable_background_compile
             else f"; compiling {sched.programs.background_total} more in the background",
         )
+    if nodes is not None and not nodes.leader:
+        return None, sched
     name = server.served_model_name or default_served_name(flags.model_path)
     # /get_server_info reports every flag but the key
     server_args = {**dataclasses.asdict(flags), **dataclasses.asdict(server)}
@@ -80,6 +104,13 @@ def cmd_serve(args) -> int:
         flags.validate()
         return replicas.run(flags, server)
     app, sched = build(args)
+    if app is None:  # a node other than node 0: it repeats node 0's device calls until node 0 stops
+        print(f"jaxspec serve: node {args.node_rank} of {args.nnodes}, following node 0", file=sys.stderr, flush=True)
+        try:
+            return sched.nodes.follow()
+        finally:
+            sched.programs.stop()
+            sched.nodes.stop()
     spec = sched.eng.spec
     desc = (
         "plain decoding"

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -63,6 +64,7 @@ from jaxspec.requests import bucket
 from jaxspec.sampling import SamplingParams, SamplingTensors, skips_unused
 from jaxspec.server.memory import ProgramMemory, map_usage, program_budget, trim_heap
 from jaxspec.serving import admit_chunk, admit_finish, copy_prefix, dispatch
+from jaxspec.sharding import put, to_host, to_mesh
 from jaxspec.speculative.adaptive import OFF
 from jaxspec.weights import Models
 
@@ -349,17 +351,21 @@ class Programs:
         The slots used are free: their contents are overwritten when a request is admitted."""
         s, eng = self.sched, self.sched.eng
         i32 = jnp.int32
+        # several hosts: host values as arrays over the whole mesh (server/nodes.py); else as they are
+        g = (lambda t: to_mesh(to_host(t), eng.mesh)) if jax.process_count() > 1 else (lambda t: t)
 
         def params(n):  # row 0 samples (the sampler's draw path), the rest are greedy
-            return SamplingTensors.build(
-                [SamplingParams(temperature=1.0)] + [SamplingParams(temperature=0.0)] * (n - 1),
-                [0] * n,
-                [-1] * n if s.grammar else None,
+            return g(
+                SamplingTensors.build(
+                    [SamplingParams(temperature=1.0)] + [SamplingParams(temperature=0.0)] * (n - 1),
+                    [0] * n,
+                    [-1] * n if s.grammar else None,
+                )
             )
 
         if key[0] == "copy":
             s.forget([0], 0)
-            s.batch = prog(s.batch, jnp.int32(0), jnp.int32(0), jnp.int32(0))
+            s.batch = prog(s.batch, *g((jnp.int32(0), jnp.int32(0), jnp.int32(0))))
         elif key[0] == "chunk":
             _, n, c, span = key
             start = max(min(span, s.max_len) - c, 0)
@@ -367,11 +373,15 @@ class Programs:
             s.batch = prog(
                 eng.models,
                 s.batch,
-                jnp.arange(n, dtype=i32),
-                jnp.zeros((n, c), i32),
-                jnp.zeros((n, c), i32),
-                jnp.int32(start),
-                jnp.full((n,), start + c, i32),
+                *g(
+                    (
+                        jnp.arange(n, dtype=i32),
+                        jnp.zeros((n, c), i32),
+                        jnp.zeros((n, c), i32),
+                        jnp.int32(start),
+                        jnp.full((n,), start + c, i32),
+                    )
+                ),
             )
         elif key[0] == "finish":
             _, n = key
@@ -379,12 +389,16 @@ class Programs:
             s.batch, _ = prog(
                 eng.models,
                 s.batch,
-                jnp.arange(n, dtype=i32),
+                g(jnp.arange(n, dtype=i32)),
                 params(n),
-                jnp.full((n,), 2, i32),
-                jnp.full((n, s.num_stop), -1, i32),
-                jnp.zeros((n,), bool),
-                jnp.zeros((n, eng.cfg.vocab_size), bool),
+                *g(
+                    (
+                        jnp.full((n,), 2, i32),
+                        jnp.full((n, s.num_stop), -1, i32),
+                        jnp.zeros((n,), bool),
+                        jnp.zeros((n, eng.cfg.vocab_size), bool),
+                    )
+                ),
             )
         else:  # slots [0, n_act) decode k rounds from one committed column, with no stop in sight
             n = key[1]
@@ -399,7 +413,7 @@ class Programs:
             b = dataclasses.replace(
                 b, core=core, st=st, max_new=b.max_new.at[:n].set(1 << 20), stop_ids=b.stop_ids.at[:n].set(-1)
             )
-            s.batch, _ = prog(eng.models, b.placed(jax.device_put), jnp.zeros((s.slots,), bool))
+            s.batch, _ = prog(eng.models, b.placed(put), g(jnp.zeros((s.slots,), bool)))
         jax.block_until_ready(s.batch)
 
     def want(self, key: tuple) -> None:
@@ -511,7 +525,14 @@ class Programs:
             return list(tbl)
 
     def get(self, key: tuple) -> Callable:
-        """The compiled program for exactly `key`, compiling it now if needed (counted)."""
+        """The compiled program for exactly `key`, compiling it now if needed (counted). On node 0
+        of several hosts, calling it also runs it on the other nodes (server/nodes.py)."""
+        prog = self.get_local(key)
+        nodes = self.sched.nodes
+        return prog if nodes is None else functools.partial(nodes.run, key, prog)
+
+    def get_local(self, key: tuple) -> Callable:
+        """get's program, run on this process alone."""
         tbl = self._table()
         with self.lock:
             prog = tbl.get(key)

@@ -108,6 +108,8 @@ class Scheduler(Admission, Dispatch):
         self.programs.stop()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.nodes is not None:
+            self.nodes.stop()
         with self.lock:
             left = list(self.waiting) + list(self.busy.values())
             self.waiting.clear()
@@ -132,6 +134,11 @@ class Scheduler(Admission, Dispatch):
 
     # ---- the loop (scheduler thread) ---------------------------------------------------------
 
+    def _exercise(self, key: tuple, prog) -> None:
+        if self.nodes is not None:
+            self.nodes.tell_exercise(key)
+        self.programs.exercise(key, prog)
+
     def _loop(self) -> None:
         while True:
             with self.lock:
@@ -146,7 +153,7 @@ class Scheduler(Admission, Dispatch):
                 idle = not self.waiting and not self.busy and not self._pending and not self._prefilling
                 fresh = self.programs.fresh.popleft() if idle and self.programs.fresh else None
             if fresh is not None:  # a program the background compiled: run it once while nothing else runs
-                self._guarded(f"running {fresh[0]} once", [], lambda: self.programs.exercise(*fresh))  # noqa: B023
+                self._guarded(f"running {fresh[0]} once", [], lambda: self._exercise(*fresh))  # noqa: B023
                 continue
             try:
                 self.step()
@@ -201,6 +208,10 @@ def warmup(sched: Scheduler, max_bs: int, progress: bool = True, background: boo
     trim_heap()
     before = rss_bytes()
     n = sched.programs.compile_startup(max_bs, progress=progress)
+    if sched.nodes is not None and not sched.nodes.leader:  # the rest is node 0's, repeated here by follow()
+        if background:
+            sched.programs.start_background()
+        return n
     sched.programs.lazy = False
     # one short request through the whole path, so that the first client's does not set up the host side
     r = Request(

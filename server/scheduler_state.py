@@ -24,6 +24,7 @@ from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.logprobs import top_k_for
 from jaxspec.server.memory import MemoryPlan, map_usage, plan_slots, release_pages, rss_bytes
+from jaxspec.server.nodes import Nodes
 from jaxspec.server.prefix_cache import PrefixCache
 from jaxspec.server.programs import Programs
 from jaxspec.server.records import Pending, PrefillGroup, Request, Stats
@@ -44,8 +45,13 @@ class SchedulerState:
         overlap: bool = True,
         min_span: int | None = None,
         prefix_cache: bool = True,
+        nodes: Nodes | None = None,
     ):
         self.eng = eng
+        # several hosts (server/nodes.py): node 0's device calls are repeated on the others
+        self.nodes = nodes
+        if nodes is not None:
+            nodes.sched = self
         # the shortest prefix worth a copy (or a wait for a prompt being prefilled): one small chunk
         self.cache = PrefixCache(prefix_cache, min_reuse=min(64, eng.chunked_prefill_size))
         self.spec = eng.spec if eng.spec.enabled else None
@@ -77,6 +83,8 @@ class SchedulerState:
         self.overlap = overlap
         self.max_queued = max_queued_requests
         self.slots = self._plan_memory(max_running_requests, mem_fraction_static, gpu)
+        if nodes is not None:  # every node has node 0's slots, whatever its own memory allows
+            self.slots = nodes.agree("slots", self.slots)
         self.batch = self._new_batch(self.slots)
         self.release_kv()
         self.busy: dict[int, Request] = {}  # slot -> request (prefilling or decoding)
@@ -221,16 +229,22 @@ class SchedulerState:
                 self.busy.clear()
                 self._prefilling.clear()
                 self._pending.clear()
-            self.batch = None  # type: ignore[assignment]  # (memory_report meanwhile reports no KV cache)
             with self.lock:
                 self.cache.flush()
-            self.batch = self._new_batch(self.slots)
-            self.release_kv()
+            if self.nodes is not None:
+                self.nodes.tell_recreate()
+            self.recreate_slots()
             with self.lock:
                 self.stats.recoveries += 1
             self.last_recovery = why
         finally:
             self.recovering = False
+
+    def recreate_slots(self) -> None:
+        """New, empty request slots on the device (the old ones are dropped first)."""
+        self.batch = None  # type: ignore[assignment]  # (memory_report meanwhile reports no KV cache)
+        self.batch = self._new_batch(self.slots)
+        self.release_kv()
 
     def _fail(self, r: Request, message: str) -> None:
         """Ends one request with an "error" event and frees its slot."""

@@ -11,15 +11,19 @@ SmolLM2-135M (3 KV heads) runs at tp = 3 when it is installed.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
-from helpers import make_hf_model, save_eagle_head
+from helpers import free_port, make_hf_model, model_dirs, save_eagle_head  # noqa: F401  (fixture)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 V = 16  # divisible by 2 and 4: the embedding and LM head are split too
@@ -180,6 +184,82 @@ def test_cli_flags():
         init_distributed(None, 2, 0)
     with pytest.raises(JaxspecError, match="node_rank"):
         init_distributed("127.0.0.1:5000", 2, 2)
+
+
+@pytest.mark.slow
+def test_serve_two_hosts(model_dirs):  # noqa: F811
+    """`jaxspec serve` over two processes x 1 device (tp 2, joined by --nnodes/--node-rank/
+    --dist-init-addr): node 0 serves HTTP and node 1 repeats its device calls. Greedy answers of
+    8 concurrent requests, plain and speculative (STANDALONE), streamed or not, equal plain
+    decoding offline on one device; SIGTERM on node 0 stops both, node 1 cleanly."""
+    from jaxspec.engine import Engine
+
+    prompts = [[1 + i, 40 + 7 * i, 300 + i, 9] * (1 + i % 3) for i in range(8)]
+    greedy = dict(temperature=0, max_new_tokens=12, ignore_eos=True)
+    want = [
+        o["output_ids"]
+        for o in Engine(model_dirs["target"], show_progress=False).generate(input_ids=prompts, sampling_params=greedy)
+    ]
+    spec = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", model_dirs["draft"]]
+    spec += ["--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"]
+    for flags in ([], spec):
+        addr, port = f"127.0.0.1:{free_port() - 1}", free_port()
+        common = ["--model-path", model_dirs["target"], "--context-length", "512", "--tp-size", "2", "--nnodes", "2"]
+        common += ["--dist-init-addr", addr, "--disable-background-compile", *flags]
+        env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+        nodes = [
+            subprocess.Popen(
+                [sys.executable, "-m", "jaxspec.cli", "serve", "--port", str(port + r), "--node-rank", str(r), *common],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+            )
+            for r in (0, 1)
+        ]
+        try:
+            wait_http(nodes, port)
+            with cf.ThreadPoolExecutor(8) as pool:
+                got = list(
+                    pool.map(lambda i, port=port: generate(port, prompts[i], greedy, stream=i % 2 == 1), range(8))
+                )
+            assert got == want, flags
+            nodes[0].send_signal(signal.SIGTERM)
+            assert nodes[1].wait(60) == 0, nodes[1].stdout.read()[-3000:]
+            nodes[0].wait(60)
+            assert "node 0 stopped after" in nodes[1].stdout.read()
+        finally:
+            for p in nodes:
+                p.kill()
+
+
+def wait_http(nodes: list, port: int, timeout: float = 600) -> None:
+    t = time.time()
+    while True:
+        for p in nodes:
+            if p.poll() is not None:
+                raise AssertionError(p.stdout.read()[-4000:])
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        assert time.time() - t < timeout, "node 0 did not answer /health"
+        time.sleep(0.5)
+
+
+def generate(port: int, ids: list[int], params: dict, stream: bool) -> list[int]:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    c.request("POST", "/generate", json.dumps({"input_ids": ids, "sampling_params": params, "stream": stream}))
+    r = c.getresponse()
+    assert r.status == 200
+    if not stream:
+        return json.loads(r.read())["output_ids"]
+    events = [ln[6:] for ln in r.read().decode().splitlines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+    return json.loads(events[-1])["output_ids"]
 
 
 @pytest.mark.slow
