@@ -16,8 +16,8 @@ its help text and its choices; `validate()` holds the checks that need no model.
 `add_arguments(parser, cls)` turns a dataclass into an argparse group (`--field-name`), and
 `from_namespace(cls, args)` reads it back; `EngineArgs` (model + speculative) is what
 `Engine(**kwargs)` accepts, so the Python API and the command line take the same names.
-`flag_table()` renders the flag reference in docs/flags.md from the same fields (print it with
-`python -c "from jaxspec.args import flag_table; print(flag_table())"`; a test keeps docs/flags.md equal to it).
+jaxspec/flag_docs.py renders the flag reference in docs/flags.md from the same fields (print it with
+`python -c "from jaxspec.flag_docs import flag_table; print(flag_table())"`; a test keeps docs/flags.md equal to it).
 """
 
 from __future__ import annotations
@@ -595,30 +595,3 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 def sampling_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
     return {f.name: getattr(ns, f.name) for f in dataclasses.fields(SamplingParams) if f.name not in SAMPLING_NOT_FLAGS}
-
-
-# which commands take which group (the flag table in docs/flags.md and the --help test read this)
-COMMANDS: dict[type, tuple[str, ...]] = {
-    ModelArgs: ("generate", "serve", "bench"),
-    MultiHostArgs: ("generate", "serve", "bench"),
-    SpeculativeArgs: ("generate", "serve", "bench"),
-    ServerArgs: ("serve",),
-}
-
-
-def flag_table() -> str:
-    """The flag reference of docs/flags.md: one Markdown table per group."""
-    out = []
-    for cls, cmds in COMMANDS.items():
-        out.append(f"**{GROUPS[cls]}** — `jaxspec {'`, `'.join(cmds)}`\n")
-        out.append("| flag | default | meaning |")
-        out.append("|---|---|---|")
-        for f in dataclasses.fields(cls):
-            default = "" if f.default is None else f"`{f.default}`"
-            choices = f"; one of {', '.join(f.metadata['choices'])}" if f.metadata["choices"] else ""
-            name = " / ".join(f"`{n}`" for n in (option(f.name), *f.metadata.get("aliases", ())))
-            if f.default is None and _scalar_type(typing.get_type_hints(cls)[f.name]) is bool:
-                name += f" / `--no-{option(f.name)[2:]}`"
-            out.append(f"| {name} | {default} | {f.metadata['help'].replace('|', '/')}{choices} |")
-        out.append("")
-    return "\n".join(out).rstrip() + "\n"

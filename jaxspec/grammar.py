@@ -7,7 +7,8 @@ masking a speculation tree needs. No JSON-schema compiler lives here.
 
 Where masks come from. A request's matcher lives on the host (`Matchers`, one per request, keyed
 by an int handle that travels in `SamplingTensors.grammar`). The device programs ask for masks
-with `jax.pure_callback` at the points where a token is chosen:
+with a host callback at the points where a token is chosen (jaxspec/native/host_call.py: a
+pure_callback that the persistent compilation cache can keep):
   plain decoding     the next token of each slot (one mask per slot);
   draft growth       each beam's children (the draft proposes only allowed tokens; a token the
                      grammar forces is proposed at probability 1, even one outside the draft's
@@ -41,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.errors import JaxspecError
+from jaxspec.native.host_call import host_call
 from jaxspec.sampling import MAX_GRAMMAR_CHARS
 
 KINDS = ("json_schema", "regex", "ebnf")  # SGLang's sampling parameters, at most one per request
@@ -283,7 +285,7 @@ def rejection(h: int) -> str | None:
 
 
 def _on_host(fn):
-    """A pure_callback body that sees its arguments as numpy arrays. JAX may hand a callback
+    """A host callback body that sees its arguments as numpy arrays. JAX may hand a callback
     jax.Arrays; indexing or iterating those dispatches an XLA computation from inside the running
     program, which on a busy XLA:CPU can wait for the very threads the program holds (a deadlock)
     and costs a dispatch per element anyway. np.asarray only copies the bytes out."""
@@ -297,7 +299,7 @@ def _on_host(fn):
 
 @_on_host
 def _host_masks(n_words, invalid_allows, handles, out, base, num_out, done, paths, plen):
-    """The pure_callback body. handles/base/num_out/done [B]; out [B, W]; paths [B, P, D];
+    """The host callback body. handles/base/num_out/done [B]; out [B, W]; paths [B, P, D];
     plen [B, P] -> (bitmask [B, P, n_words] int32 (bit t % 32 of word t // 32: token t allowed),
     forced [B, P] int32: when drafting, the first of the tokens the grammar forces after the path
     (llguidance's fast-forward tokens: the canonical tokenization of forced text), or -1)."""
@@ -340,7 +342,7 @@ def allowed(handles, state, paths, plen, vocab: int, ids=None, invalid_allows: b
     b, p = plen.shape
     n_words = -(-vocab // WORD)
     base = state.base if state.base is not None else jnp.zeros_like(state.num_out)
-    bits, forced = jax.pure_callback(
+    bits, forced = host_call(
         functools.partial(_host_masks, n_words, invalid_allows),
         (jax.ShapeDtypeStruct((b, p, n_words), jnp.int32), jax.ShapeDtypeStruct((b, p), jnp.int32)),
         handles,
@@ -350,7 +352,7 @@ def allowed(handles, state, paths, plen, vocab: int, ids=None, invalid_allows: b
         state.done,
         paths,
         plen,
-        vmap_method="sequential",
+        name=f"grammar.masks/{n_words}/{invalid_allows}",
     )
     if ids is None:
         ids = jnp.arange(vocab, dtype=jnp.int32)
@@ -378,14 +380,14 @@ def sync(handles, state):
     if handles is None:
         return jnp.zeros_like(state.num_out)
     base = state.base if state.base is not None else jnp.zeros_like(state.num_out)
-    return jax.pure_callback(
+    return host_call(
         _host_sync,
         jax.ShapeDtypeStruct(handles.shape, jnp.int32),
         handles,
         state.out,
         base,
         state.num_out,
-        vmap_method="sequential",
+        name="grammar.sync",
     )
 
 

@@ -29,7 +29,8 @@ logprobs=True grammar=True programs for constrained requests, at the largest sho
 largest), a background thread then
 compiles every other shape (most useful first: with adaptive speculation, the twins of the
 start-up dispatches for its other candidates, then the greedy-only twins of the start-up
-dispatches; with the persistent compilation cache, a restart loads them from disk), and
+dispatches; with the persistent compilation cache, a restart loads them from disk: as JAX
+serialized them, without tracing, from server/program_store.py, else from JAX's cache), and
 each call takes the cheapest program compiled so far that covers it (adaptive speculation runs
 another candidate only once a program of that candidate covers the call). A call served through a
 larger program asks for its own (`want`; the scheduler asks for the configured shape's and plain
@@ -45,7 +46,6 @@ kernel's memory-map limit, whichever comes first; the start-up set is always com
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import logging
 import os
@@ -59,12 +59,13 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from jaxspec.cache import KVCache
+from jaxspec.native import host_call
 from jaxspec.requests import bucket
-from jaxspec.sampling import SamplingParams, SamplingTensors, skips_unused
+from jaxspec.sampling import SamplingTensors, skips_unused
+from jaxspec.server.exercise import exercise, worth_exercising
 from jaxspec.server.memory import ProgramMemory, map_usage, program_budget, trim_heap
+from jaxspec.server.program_store import ProgramStore, compile_again, compile_fresh, store_path
 from jaxspec.serving import admit_chunk, admit_finish, copy_prefix, dispatch
-from jaxspec.sharding import put, to_host, to_mesh
 from jaxspec.speculative.adaptive import OFF
 from jaxspec.weights import Models
 
@@ -100,6 +101,9 @@ _COMPILED: dict[tuple, dict[tuple, Any]] = {}
 _COMPILED_LOCK = threading.Lock()
 
 
+_UNSET = object()  # Programs._table_for before the first lookup
+
+
 def clear_cache() -> None:
     """Drops every compiled program (with jax.clear_caches(): frees their memory mappings)."""
     with _COMPILED_LOCK:
@@ -129,8 +133,10 @@ class Programs:
             _sig(self._batch_spec),
             _sig(self._params_spec),
         )
-        self._table_for: Any = None  # the eng.dparams that self._tbl was looked up for
+        self._table_for: Any = _UNSET  # the eng.dparams that self._tbl was looked up for (None: no draft)
         self._tbl: dict[tuple, Any] = {}
+        self._store: ProgramStore | None = None  # compiled programs on disk (server/program_store.py)
+        self.unstored: collections.deque = collections.deque()  # keys compiled but not stored
         self._thread: threading.Thread | None = None
         self.compiles_begun = self.compiles_ended = 0  # compile_mark
         self._stop = False
@@ -256,10 +262,24 @@ class Programs:
             sig = self._static + (_sig(dparams),)
             with self.lock:
                 self._tbl = _COMPILED.setdefault(sig, {})
+            folder = store_path()
+            self._store = None if folder is None else ProgramStore(folder, repr(sig))
             self._table_for = dparams
         return self._tbl
 
     def _lower(self, key: tuple):
+        fn, args, static = self._call(key)
+        return fn.lower(*args, **static)
+
+    def _in_tree(self, key: tuple):
+        """The argument structure `key`'s program takes (what jax's Compiled.in_tree holds), without tracing."""
+        _, args, _ = self._call(key)
+        if key[0] == "dispatch":  # its tree shape (args[1]) is a static argument
+            args = args[:1] + args[2:]
+        return jax.tree_util.tree_structure((args, {}))
+
+    def _call(self, key: tuple) -> tuple[Any, tuple, dict]:
+        """(jitted function, argument specs, static arguments) of `key`'s program."""
         s, eng = self.sched, self.sched.eng
         i32 = jnp.int32
         sds = jax.ShapeDtypeStruct
@@ -267,45 +287,18 @@ class Programs:
         models = Models(eng.graphdef, self._params_spec, s.prop, dparams, eng.backend)
         if key[0] == "dispatch":
             _, n_act, span, sampled, shape, logprobs, grammar = key
-            return dispatch.lower(
-                models,
-                s.shapes[shape],
-                self._batch_spec,
-                sds((s.slots,), bool),
-                k=s.k,
-                n_act=n_act,
-                span=span,
-                sampled=sampled,
-                logprobs=logprobs,
-                grammar=grammar,
-            )
+            static = dict(k=s.k, n_act=n_act, span=span, sampled=sampled, logprobs=logprobs, grammar=grammar)
+            return dispatch, (models, s.shapes[shape], self._batch_spec, sds((s.slots,), bool)), static
         if key[0] == "copy":
-            return copy_prefix.lower(self._batch_spec, sds((), i32), sds((), i32), sds((), i32))
+            return copy_prefix, (self._batch_spec, sds((), i32), sds((), i32), sds((), i32)), {}
         if key[0] == "chunk":
             _, n, c, span = key
-            return admit_chunk.lower(
-                models,
-                self._batch_spec,
-                sds((n,), i32),
-                sds((n, c), i32),
-                sds((n, c), i32),
-                sds((), i32),
-                sds((n,), i32),
-                span=span,
-            )
+            args = (models, self._batch_spec, sds((n,), i32), sds((n, c), i32), sds((n, c), i32), sds((), i32))
+            return admit_chunk, (*args, sds((n,), i32)), dict(span=span)
         _, n = key
         st = jax.eval_shape(lambda: SamplingTensors.build_default(n, s.grammar))
-        return admit_finish.lower(
-            models,
-            self._batch_spec,
-            sds((n,), i32),
-            st,
-            sds((n,), i32),
-            sds((n, s.num_stop), i32),
-            sds((n,), bool),
-            sds((n, eng.cfg.vocab_size), bool),
-            span=s.max_len,
-        )
+        args = (models, self._batch_spec, sds((n,), i32), st, sds((n,), i32), sds((n, s.num_stop), i32))
+        return admit_finish, (*args, sds((n,), bool), sds((n, eng.cfg.vocab_size), bool)), dict(span=s.max_len)
 
     def compile(self, key: tuple) -> Any:
         tbl = self._table()
@@ -315,7 +308,17 @@ class Programs:
         with self.lock:
             self.compiles_begun += 1
         try:
-            prog = self._lower(key).compile()
+            store = self._store
+            prog = store.load(key, self._in_tree(key)) if store is not None else None
+            if prog is None:
+                with host_call.recording() as callbacks:
+                    lowered = self._lower(key)
+                prog, fresh = compile_fresh(lowered)
+                if store is not None and not callbacks:
+                    if fresh:
+                        store.save(key, prog)
+                    else:  # from JAX's cache: compiled again in the background, then stored
+                        self.unstored.append(key)
         finally:
             with self.lock:
                 self.compiles_ended += 1
@@ -332,89 +335,33 @@ class Programs:
             return self.compiles_begun, self.compiles_ended
 
     def compile_startup(self, max_bs: int, progress: bool = True) -> int:
-        """Compiles and exercises the cover set (before the scheduler thread starts)."""
+        """Compiles the cover set (before the scheduler thread starts) and exercises the programs a
+        request's first token needs (prefill chunks, admission); the dispatch programs are run once
+        each at the scheduler's first idle moments after the server is up (their first run costs
+        about 0.5 s more than the next, against a second or more for running them here)."""
         self.startup_bs = max_bs
         keys = self.startup_keys(max_bs)
         bar = tqdm(total=len(keys), unit="program", disable=not progress, desc="compiling start-up programs")
+        later = []
         # XLA compiles one program on one core (and releases the GIL): compile as many at once as there are cores
         with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, 8))) as pool:
             for key, prog in zip(keys, pool.map(self.compile, keys)):
-                self.exercise(key, prog)
+                if key[0] == "dispatch":
+                    later.append((key, prog))
+                elif self.worth_exercising(key):
+                    self.exercise(key, prog)
                 bar.update(1)
         bar.close()
+        self.fresh.extend(later)
         return len(keys)
 
+    @staticmethod
+    def worth_exercising(key: tuple) -> bool:
+        return worth_exercising(key)
+
     def exercise(self, key: tuple, prog) -> None:
-        """Runs a compiled program once on the scheduler's batch while no slot is in use (scheduler
-        thread, or before it starts). XLA:CPU sets up a program's kernels when they first run, which
-        would otherwise make the first request of each new shape about twice as slow as the next.
-        The slots used are free: their contents are overwritten when a request is admitted."""
-        s, eng = self.sched, self.sched.eng
-        i32 = jnp.int32
-        # several hosts: host values as arrays over the whole mesh (server/nodes.py); else as they are
-        g = (lambda t: to_mesh(to_host(t), eng.mesh)) if jax.process_count() > 1 else (lambda t: t)
-
-        def params(n):  # row 0 samples (the sampler's draw path), the rest are greedy
-            return g(
-                SamplingTensors.build(
-                    [SamplingParams(temperature=1.0)] + [SamplingParams(temperature=0.0)] * (n - 1),
-                    [0] * n,
-                    [-1] * n if s.grammar else None,
-                )
-            )
-
-        if key[0] == "copy":
-            s.forget([0], 0)
-            s.batch = prog(s.batch, *g((jnp.int32(0), jnp.int32(0), jnp.int32(0))))
-        elif key[0] == "chunk":
-            _, n, c, span = key
-            start = max(min(span, s.max_len) - c, 0)
-            s.forget(range(n), start)
-            s.batch = prog(
-                eng.models,
-                s.batch,
-                *g(
-                    (
-                        jnp.arange(n, dtype=i32),
-                        jnp.zeros((n, c), i32),
-                        jnp.zeros((n, c), i32),
-                        jnp.int32(start),
-                        jnp.full((n,), start + c, i32),
-                    )
-                ),
-            )
-        elif key[0] == "finish":
-            _, n = key
-            s.forget(range(n), 0)
-            s.batch, _ = prog(
-                eng.models,
-                s.batch,
-                g(jnp.arange(n, dtype=i32)),
-                params(n),
-                *g(
-                    (
-                        jnp.full((n,), 2, i32),
-                        jnp.full((n, s.num_stop), -1, i32),
-                        jnp.zeros((n,), bool),
-                        jnp.zeros((n, eng.cfg.vocab_size), bool),
-                    )
-                ),
-            )
-        else:  # slots [0, n_act) decode k rounds from one committed column, with no stop in sight
-            n = key[1]
-            s.forget(range(n), 0)
-            b = s.batch
-            fresh = lambda x: dataclasses.replace(x, lengths=x.lengths.at[:n].set(1)) if isinstance(x, KVCache) else x
-            core = jax.tree_util.tree_map(fresh, b.core, is_leaf=lambda x: isinstance(x, KVCache))
-            core = dataclasses.replace(
-                core, done=core.done.at[:n].set(False), num_out=core.num_out.at[:n].set(1), base=core.base.at[:n].set(1)
-            )
-            st = jax.tree_util.tree_map(lambda full, part: full.at[:n].set(part), b.st, params(n))
-            b = dataclasses.replace(
-                b, core=core, st=st, max_new=b.max_new.at[:n].set(1 << 20), stop_ids=b.stop_ids.at[:n].set(-1)
-            )
-            s.batch, _ = prog(eng.models, b.placed(put), g(jnp.zeros((s.slots,), bool)))
-        jax.block_until_ready(s.batch)
+        """Runs a compiled program once on free slots (server/exercise.py)."""
+        exercise(self, key, prog)
 
     def want(self, key: tuple) -> None:
         """Asks the background thread to compile `key` before its own list (once per key; nothing
@@ -466,10 +413,12 @@ class Programs:
                         self.background_total = self.background_done
                     self._stop = True  # for good: `want` asks no more
                     return None
-                if self.wanted or keys:
+                if self.wanted or keys or self.unstored:
                     # on a CPU, compiling takes the cores a request would use: wait for a quiet moment
                     if not self.idle_only or self.sched.idle_for(0.5):
-                        return self.wanted.popleft() if self.wanted else keys.popleft()
+                        if self.wanted or keys:
+                            return self.wanted.popleft() if self.wanted else keys.popleft()
+                        return ("store", self.unstored.popleft())
                 time.sleep(0.1)
             return None
 
@@ -480,13 +429,17 @@ class Programs:
             except (AttributeError, OSError):
                 pass
             while (key := next_key()) is not None:
+                if key[0] == "store":
+                    self.store_again(key[1])
+                    continue
                 if key not in self._table():
                     try:
                         prog = self.compile(key)
                         self.memory.background += 1
-                        with self.sched.lock:  # the scheduler thread runs it once at its next idle moment
-                            self.fresh.append((key, prog))
-                            self.sched.wake.notify()
+                        if self.worth_exercising(key):
+                            with self.sched.lock:  # the scheduler thread runs it once at its next idle moment
+                                self.fresh.append((key, prog))
+                                self.sched.wake.notify()
                     except Exception:
                         logger.exception("background compile of %s failed", key)
                 with self.lock:
@@ -513,6 +466,21 @@ class Programs:
         with self.lock:
             self.background_total = self.background_done
         self._stop = True
+
+    def store_again(self, key: tuple) -> None:
+        """Compiles `key` once more, past JAX's cache, and stores it for the next start (it came
+        from JAX's cache, which XLA:CPU cannot serialize again; server/program_store.py)."""
+        store = self._store
+        if store is None:
+            return
+        try:
+            prog, fresh = compile_again(self._lower(key))
+            if fresh:
+                store.save(key, prog)
+            del prog
+            trim_heap()
+        except Exception:
+            logger.exception("compiling %s again to store it failed", key)
 
     def stop(self) -> None:
         self._stop = True

@@ -37,6 +37,8 @@ __all__ = ["QueueFull", "Request", "Scheduler", "warmup"]
 
 logger = logging.getLogger("jaxspec.server")
 
+FRESH_AFTER_IDLE = 0.5  # seconds without a scheduling step before a fresh program is run once
+
 
 class Scheduler(Admission, Dispatch):
     """Continuous batching over the request slots (the module docstring); the constructor's
@@ -145,9 +147,11 @@ class Scheduler(Admission, Dispatch):
                 while (
                     not self._stop and not self.waiting and not self.busy and not self._pending and not self._prefilling
                 ):
-                    if self.programs.fresh:
+                    # a program not run yet, once nothing has run for a while (a client sending
+                    # requests one after another would otherwise find one running at each request)
+                    if self.programs.fresh and time.perf_counter() - self._last_step >= FRESH_AFTER_IDLE:
                         break
-                    self.wake.wait(0.5)
+                    self.wake.wait(0.1 if self.programs.fresh else 0.5)
                 if self._stop:
                     return
                 idle = not self.waiting and not self.busy and not self._pending and not self._prefilling
@@ -157,6 +161,7 @@ class Scheduler(Admission, Dispatch):
                 continue
             try:
                 self.step()
+                self._last_step = time.perf_counter()
             except Exception as e:
                 logger.exception("scheduler iteration failed")
                 try:

@@ -106,6 +106,7 @@ class SchedulerState:
         self.error: str | None = None  # set when the scheduler could not recover: the server is down
         self.recovering = False  # True while the device state is being re-created
         self._last_busy = 0.0  # when idle_for last saw a request
+        self._last_step = 0.0  # when the scheduler thread last ran a step
         self.last_recovery: str | None = None  # why the device state was last re-created
 
     # ---- memory plan -------------------------------------------------------------------------

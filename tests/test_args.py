@@ -10,17 +10,16 @@ import re
 import pytest
 
 from jaxspec.args import (
-    COMMANDS,
     EngineArgs,
     ModelArgs,
     ServerArgs,
     SpeculativeArgs,
     build,
-    flag_table,
     option,
 )
 from jaxspec.cli import build_parser
 from jaxspec.errors import JaxspecError
+from jaxspec.flag_docs import COMMANDS, flag_table
 
 FLAGS_DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "flags.md")
 
@@ -95,7 +94,9 @@ def test_server_flags_only_where_they_apply():
 def test_the_docs_flag_table_is_the_generated_one():
     with open(FLAGS_DOC) as f:
         doc = f.read()
-    assert flag_table() in doc, "docs/flags.md's flag table is stale: paste the output of jaxspec.args.flag_table()"
+    assert flag_table() in doc, (
+        "docs/flags.md's flag table is stale: paste the output of jaxspec.flag_docs.flag_table()"
+    )
     for cls in COMMANDS:
         for f in dataclasses.fields(cls):
             assert f"`{option(f.name)}`" in doc

@@ -1,6 +1,6 @@
 """Native XLA:CPU kernels, called from inside the compiled programs through XLA's FFI.
 
-One so far: `int8_matmul`, the integer product of w8a8_int8 on CPU for a few rows (a decoding step,
+`int8_matmul`, the integer product of w8a8_int8 on CPU for a few rows (a decoding step,
 a verification tree, a batch of slots; models/llama.py:int8_matmul picks it). XLA:CPU's own int8
 dot streams the weights at about half the rate of its float32 matrix-vector product, so w8a8 read
 a quarter of the bytes in more than half the time (benchmarks/RESULTS.md). This kernel streams each
@@ -13,6 +13,9 @@ compiler (`$CXX`, else c++ / g++) and `-march=native` into the jaxspec cache
 jax version. Without a compiler, or with JAXSPEC_NATIVE_KERNELS=0, `available()` is False and
 the engine keeps XLA's int8 dot (a failure is logged once). GPUs and tensor-parallel engines never
 use it (XLA cannot partition a custom call).
+
+The other: host_call.py, calls from a compiled program back into Python (constrained decoding's
+grammar masks) that, unlike jax.pure_callback, JAX's persistent compilation cache can keep.
 """
 
 from __future__ import annotations
@@ -52,16 +55,17 @@ def _compiler() -> str | None:
     return next((c for c in (os.environ.get("CXX"), "c++", "g++", "clang++") if c and shutil.which(c)), None)
 
 
-def _build() -> str:
-    """Compiles the kernel (once per source, CPU and jax version) and returns the shared library's path."""
-    with open(SOURCE, "rb") as f:
+def _build(source: str = SOURCE) -> str:
+    """Compiles a source file of this folder (once per source, CPU and jax version) and returns the
+    shared library's path."""
+    with open(source, "rb") as f:
         src = f.read()
     key = hashlib.sha256(src + _cpu_id().encode() + jax.__version__.encode()).hexdigest()[:16]
     out_dir = os.path.join(cache_dir(), "native")
-    lib = os.path.join(out_dir, f"int8_matmul-{key}.so")
+    lib = os.path.join(out_dir, f"{os.path.splitext(os.path.basename(source))[0]}-{key}.so")
     if os.path.exists(lib):
         return lib
-    logger.info("compiling the native int8 kernel for this CPU (once): %s", lib)
+    logger.info("compiling %s for this CPU (once): %s", os.path.basename(source), lib)
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
@@ -69,7 +73,7 @@ def _build() -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)  # built aside, then renamed: no reader sees half a file
     os.close(fd)
     cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}"]
-    res = subprocess.run([*cmd, SOURCE, "-o", tmp], capture_output=True, text=True, timeout=300)
+    res = subprocess.run([*cmd, source, "-o", tmp], capture_output=True, text=True, timeout=300)
     if res.returncode != 0:
         os.unlink(tmp)
         raise RuntimeError(f"{cxx} failed: {res.stderr.strip()[-500:]}")
