@@ -10,7 +10,7 @@ A stored program is used only when everything it was built from is the same: the
 and the scheduler's static signature (model structure, draft, tree shape, slots, shapes, dtypes
 and shardings of every input), the source of every jaxspec module, the versions of jax, jaxlib,
 flax and numpy, XLA_FLAGS and the JAX_*/JAXSPEC_* environment, the devices, and the module
-switches that change what a program computes (`SWITCHES`; a new switch of that kind must be
+switches that change what a program computes (`switches()`; a new switch of that kind must be
 added there). Anything else that differed would fail loudly, not silently: a loaded program
 checks the structure, shapes and shardings of its arguments at every call. Programs holding a
 host callback are not stored (their callback table is filled by tracing), and neither are those
@@ -62,30 +62,23 @@ def _on_event(event: str, **_: Any) -> None:
 jax.monitoring.register_event_listener(_on_event)
 
 
-def compile_fresh(lowered: Any) -> tuple[Any, bool]:
-    """(lowered.compile(), whether XLA compiled it just now: not from JAX's persistent cache, nor
-    from its in-memory one, which may hold a program loaded from the persistent cache)."""
+def compile_fresh(compile: Callable[[], Any]) -> tuple[Any, bool]:
+    """(compile(), whether XLA compiled it just now: not from JAX's persistent cache, nor from its
+    in-memory one, which may hold a program loaded from the persistent cache). compile: a
+    Lowered's compile method."""
     _local.compiled = False
-    prog = lowered.compile()
+    prog = compile()
     return prog, _local.compiled
 
 
 def compile_again(lowered: Any) -> tuple[Any, bool]:
     """compile_fresh, past JAX's caches: the XLA debug option below (how many buffers a buffer
     assignment dump lists) is part of JAX's cache key and changes nothing in the program."""
-    nonce = random.randrange(1 << 40)
-    return compile_fresh(_Options(lowered, {"xla_debug_buffer_assignment_show_max": nonce}))
+    options = {"xla_debug_buffer_assignment_show_max": random.randrange(1 << 40)}
+    return compile_fresh(lambda: lowered.compile(compiler_options=options))
 
 
-class _Options:
-    def __init__(self, lowered: Any, options: dict):
-        self.lowered, self.options = lowered, options
-
-    def compile(self) -> Any:
-        return self.lowered.compile(compiler_options=self.options)
-
-
-def _switches() -> dict[str, Any]:
+def switches() -> dict[str, Any]:
     """Module switches that change what a traced program computes."""
     from jaxspec import native, sampling
     from jaxspec.native import host_call
@@ -95,9 +88,6 @@ def _switches() -> dict[str, Any]:
         "native.available": native.available(),
         "host_call.available": host_call.available(),
     }
-
-
-SWITCHES: Callable[[], dict[str, Any]] = _switches
 
 
 @functools.cache
@@ -129,7 +119,7 @@ def _environment() -> tuple:
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("JAX_", "JAXSPEC_", "XLA_")))
     devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
     versions = (sys.version, jax.__version__, jaxlib.__version__, flax.__version__, numpy.__version__)
-    return VERSION, versions, source_digest(), env, devices, sorted(SWITCHES().items())
+    return VERSION, versions, source_digest(), env, devices, sorted(switches().items())
 
 
 def store_path() -> str | None:
@@ -149,7 +139,7 @@ class ProgramStore:
     def __init__(self, folder: str, context: Any):
         self.folder = folder
         self.context = hashlib.sha256(pickle.dumps((_environment(), context))).hexdigest()
-        self.loaded = self.saved = 0
+        self.saved = 0
 
     def _path(self, key: tuple) -> str:
         name = hashlib.sha256(pickle.dumps((self.context, key))).hexdigest()[:32]
@@ -175,7 +165,6 @@ class ProgramStore:
             os.utime(path)  # recently used
         except OSError:
             pass
-        self.loaded += 1
         return prog
 
     def save(self, key: tuple, prog: Any) -> None:

@@ -313,7 +313,7 @@ class Programs:
             if prog is None:
                 with host_call.recording() as callbacks:
                     lowered = self._lower(key)
-                prog, fresh = compile_fresh(lowered)
+                prog, fresh = compile_fresh(lowered.compile)
                 if store is not None and not callbacks:
                     if fresh:
                         store.save(key, prog)
@@ -348,16 +348,12 @@ class Programs:
             for key, prog in zip(keys, pool.map(self.compile, keys)):
                 if key[0] == "dispatch":
                     later.append((key, prog))
-                elif self.worth_exercising(key):
+                elif worth_exercising(key):
                     self.exercise(key, prog)
                 bar.update(1)
         bar.close()
         self.fresh.extend(later)
         return len(keys)
-
-    @staticmethod
-    def worth_exercising(key: tuple) -> bool:
-        return worth_exercising(key)
 
     def exercise(self, key: tuple, prog) -> None:
         """Runs a compiled program once on free slots (server/exercise.py)."""
@@ -436,7 +432,7 @@ class Programs:
                     try:
                         prog = self.compile(key)
                         self.memory.background += 1
-                        if self.worth_exercising(key):
+                        if worth_exercising(key):
                             with self.sched.lock:  # the scheduler thread runs it once at its next idle moment
                                 self.fresh.append((key, prog))
                                 self.sched.wake.notify()

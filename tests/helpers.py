@@ -404,36 +404,49 @@ def start(model_dirs, **flags):
     return Server(app, sched)
 
 
-def serve_subprocess(
-    flags: list[str], port: int | None = None, ready: str = "/health", timeout: float = 120
-) -> tuple[subprocess.Popen, int]:
-    """`python -m jaxspec.cli serve FLAGS` on `port` (default: a free one), returned once `ready`
-    answers 200 (within `timeout` seconds): (the process, with stdout and stderr merged into
-    p.stdout; its port)."""
-    port = port or free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    p = subprocess.Popen(
+def serve_process(flags: list[str], port: int, **env: str) -> subprocess.Popen:
+    """`python -m jaxspec.cli serve --port PORT FLAGS` on the CPU (env: more variables), stdout
+    and stderr merged into p.stdout."""
+    return subprocess.Popen(
         [sys.executable, "-m", "jaxspec.cli", "serve", "--port", str(port)] + flags,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env=env,
+        env=dict(os.environ, JAX_PLATFORMS="cpu", **env),
         text=True,
     )
+
+
+def wait_ready(procs: list[subprocess.Popen], port: int, ready: str = "/health", timeout: float = 120) -> None:
+    """Returns once `ready` answers 200 on `port` (within `timeout` seconds); raises with the output
+    of any of `procs` that exits first, and kills them all on a timeout."""
     t = time.time()
     while True:
-        if p.poll() is not None:
-            raise AssertionError(p.stdout.read())
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(p.stdout.read())
         try:
             c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
             c.request("GET", ready)
             if c.getresponse().status == 200:
-                return p, port
+                return
         except OSError:
             pass
         if time.time() - t > timeout:
-            p.kill()
+            for p in procs:
+                p.kill()
             raise AssertionError(f"jaxspec serve did not answer {ready} within {timeout:.0f} s")
         time.sleep(0.3)
+
+
+def serve_subprocess(
+    flags: list[str], port: int | None = None, ready: str = "/health", timeout: float = 120
+) -> tuple[subprocess.Popen, int]:
+    """serve_process on `port` (default: a free one), returned once `ready` answers 200 (within
+    `timeout` seconds): (the process, its port)."""
+    port = port or free_port()
+    p = serve_process(flags, port)
+    wait_ready([p], port, ready, timeout)
+    return p, port
 
 
 # ---- speculative configs from short flag names ----------------------------------------------------

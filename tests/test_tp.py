@@ -19,11 +19,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
-from helpers import free_port, make_hf_model, model_dirs, save_eagle_head  # noqa: F401  (fixture)
+from helpers import free_port, make_hf_model, model_dirs, save_eagle_head, serve_process, wait_ready  # noqa: F401
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 V = 16  # divisible by 2 and 4: the embedding and LM head are split too
@@ -206,20 +205,10 @@ def test_serve_two_hosts(model_dirs):  # noqa: F811
         addr, port = f"127.0.0.1:{free_port() - 1}", free_port()
         common = ["--model-path", model_dirs["target"], "--context-length", "512", "--tp-size", "2", "--nnodes", "2"]
         common += ["--dist-init-addr", addr, "--disable-background-compile", *flags]
-        env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
-        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-        nodes = [
-            subprocess.Popen(
-                [sys.executable, "-m", "jaxspec.cli", "serve", "--port", str(port + r), "--node-rank", str(r), *common],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=env,
-            )
-            for r in (0, 1)
-        ]
+        env = dict(JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+        nodes = [serve_process(["--node-rank", str(r), *common], port + r, **env) for r in (0, 1)]
         try:
-            wait_http(nodes, port)
+            wait_ready(nodes, port, timeout=600)
             with cf.ThreadPoolExecutor(8) as pool:
                 got = list(
                     pool.map(lambda i, port=port: generate(port, prompts[i], greedy, stream=i % 2 == 1), range(8))
@@ -232,23 +221,6 @@ def test_serve_two_hosts(model_dirs):  # noqa: F811
         finally:
             for p in nodes:
                 p.kill()
-
-
-def wait_http(nodes: list, port: int, timeout: float = 600) -> None:
-    t = time.time()
-    while True:
-        for p in nodes:
-            if p.poll() is not None:
-                raise AssertionError(p.stdout.read()[-4000:])
-        try:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            c.request("GET", "/health")
-            if c.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        assert time.time() - t < timeout, "node 0 did not answer /health"
-        time.sleep(0.5)
 
 
 def generate(port: int, ids: list[int], params: dict, stream: bool) -> list[int]:
