@@ -1,15 +1,16 @@
 """llama.cpp beside jaxspec on the same GGUF, prompts and token counts, one run.
 
-    python benchmarks/bench_llamacpp.py [--prompts 5] [--new 64] [--threads 2] [--configs f32,w8a8,w8a8+draft]
+    python benchmarks/bench_llamacpp.py [--prompts 5] [--new 64] [--threads 2] [--configs gguf,gguf+draft,w8a8]
 
 Needs `llama-cpp-python` (not a jaxspec dependency: `pip install llama-cpp-python` builds llama.cpp
 from source, about 10 minutes on 2 cores). The default model's GGUF (SmolLM2-135M-Instruct, Q4_1)
 is decoded by llama.cpp as it is stored (4-bit weights, its own CPU kernels) and by jaxspec in each
-configuration of `bench_quant.py` (dequantised to float32, then quantized again as the configuration
-says). Batch 1, MT-bench first turns in the chat template (token ids made once by jaxspec's
+configuration of `bench_quant.py` (gguf: the file's own blocks; the others dequantised to float32,
+then quantized again as the configuration says). Batch 1, MT-bench first turns in the chat template (token ids made once by jaxspec's
 tokenizer, given to both), exactly --new greedy tokens each (EOS ignored); tokens/s = new tokens /
 end-to-end latency (prompt included) after a warm-up pass over every prompt. Greedy agreement: the
-tokens before the first difference from jaxspec's first configuration, / --new.
+tokens before the first difference from jaxspec's first configuration, / --new; and the prompts whose
+first 32 tokens equal llama.cpp's.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (XLA:CPU uses every core)")
-    ap.add_argument("--configs", default="f32,w8a8,w8a8+draft", help="jaxspec configurations of bench_quant.py")
+    ap.add_argument("--configs", default="gguf,gguf+draft,w8a8", help="jaxspec configurations of bench_quant.py")
     args = ap.parse_args()
 
     import jaxspec
@@ -64,7 +65,7 @@ def main():
     print(machine())
     questions = mtbench_first_turns(args.prompts)
     sp = {"temperature": 0, "max_new_tokens": args.new, "ignore_eos": True}
-    rows, ids, ref = [], None, None
+    rows, ids, ref, all_outs = [], None, None, []
     for name in args.configs.split(","):
         kw = dict(CONFIGS[name])
         kw.setdefault("speculative_algorithm", "NONE")
@@ -79,16 +80,22 @@ def main():
             outs.append(eng.generate(input_ids=x, sampling_params=sp)["output_ids"])
             tps.append(args.new / (time.perf_counter() - t))
         ref = ref or outs
+        all_outs.append(outs)
         rows.append((f"jaxspec {name}", statistics.mean(tps), agreement(outs, ref, args.new)))
         print(f"{rows[-1][0]:24s} {rows[-1][1]:7.1f} tok/s  agree {rows[-1][2]:.3f}", flush=True)
         del eng
     outs, tps = llamacpp_outputs(default_gguf_path(), ids, args.new, args.threads)
     rows.append((f"llama.cpp Q4_1, {args.threads} threads", statistics.mean(tps), agreement(outs, ref, args.new)))
     print(f"{rows[-1][0]:24s} {rows[-1][1]:7.1f} tok/s  agree {rows[-1][2]:.3f}", flush=True)
-    print(f"\n| engine | tok/s | vs llama.cpp | greedy agreement with {rows[0][0]} |")
-    print("|---|---|---|---|")
-    for name, t, ag in rows:
-        print(f"| {name} | {t:.1f} | {t / rows[-1][1]:.2f}× | {ag:.3f} |")
+    all_outs.append(outs)
+    # prompts whose first 32 tokens equal llama.cpp's (the issue's check: >= 9 of 10)
+    same32 = [sum(a[:32] == b[:32] for a, b in zip(o, outs)) for o in all_outs]
+    print(
+        f"\n| engine | tok/s | vs llama.cpp | greedy agreement with {rows[0][0]} | prompts equal to llama.cpp over 32 tokens |"
+    )
+    print("|---|---|---|---|---|")
+    for (name, t, ag), same in zip(rows, same32):
+        print(f"| {name} | {t:.1f} | {t / rows[-1][1]:.2f}× | {ag:.3f} | {same} / {len(ids)} |")
 
 
 if __name__ == "__main__":

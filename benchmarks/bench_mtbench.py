@@ -2,7 +2,7 @@
 
     python benchmarks/bench_mtbench.py --draft EAGLE3=path/to/head [--draft EAGLE=path] \\
         [--questions 80] [--max-new-tokens 128] [--temperatures 0 1] [--batch-size 1] \\
-        [--attention-backend xla|pallas] [--quantization int8|fp8|w8a8_int8]
+        [--attention-backend xla|pallas] [--quantization int8|fp8|w8a8_int8|gguf] [--draft-quantization MODE]
 
 A draft given as ALGO:static (e.g. EAGLE3:static, the shipped head) runs with adaptive speculation
 off (its tree shape every round); otherwise adaptive speculation has its default (on for the
@@ -112,7 +112,13 @@ def main():
     ap.add_argument(
         "--attention-backend", default=None, help="xla or pallas for every engine (default: the platform's)"
     )
-    ap.add_argument("--quantization", default=None, help="int8, fp8 or w8a8_int8 for every engine's target and draft")
+    ap.add_argument(
+        "--quantization",
+        default=None,
+        help="int8, fp8, w8a8_int8 or gguf (the default model's GGUF blocks) for every engine's target, and "
+        "its draft unless --draft-quantization says otherwise",
+    )
+    ap.add_argument("--draft-quantization", default=None, help="--speculative-draft-model-quantization for every engine")
     ap.add_argument(
         "--compare-layouts",
         action="store_true",
@@ -124,13 +130,14 @@ def main():
     from jaxspec.loader import load
 
     os.makedirs(args.out, exist_ok=True)
-    loaded = load(args.model_path, "float32", progress=False)
+    loaded = load(args.model_path, "float32", progress=False, quantization="gguf" if args.quantization == "gguf" else None)
     common_kw = dict(
         _loaded=loaded,
         max_running_requests=args.batch_size,
         show_progress=False,
         attention_backend=args.attention_backend,
         quantization=args.quantization,
+        speculative_draft_model_quantization=args.draft_quantization,
     )
     configs = [("NONE", dict(speculative_algorithm="NONE"))]
     for d in args.draft:

@@ -119,6 +119,15 @@ def open_gguf(path: str) -> Source:
             w = unpermute(w, kv_heads)
         return w
 
+    def blocks(name: str) -> np.ndarray:
+        t = tensors[names[name]]
+        raw = np.asarray(t.data)  # a view of the memory-mapped file, [rows, row bytes]
+        if arch == "llama" and ".self_attn.q_proj." in name:
+            raw = unpermute(raw, heads)
+        elif arch == "llama" and ".self_attn.k_proj." in name:
+            raw = unpermute(raw, kv_heads)
+        return raw
+
     def load_tokenizer():
         from transformers import AutoTokenizer
 
@@ -129,4 +138,5 @@ def open_gguf(path: str) -> Source:
         except Exception as e:
             raise JaxspecError(f"cannot build a tokenizer from {path}: {type(e).__name__}: {e}") from None
 
-    return Source(path, "gguf", config, list(names), get, load_tokenizer)
+    types = {hn: tensors[gn].tensor_type.name for hn, gn in names.items()}
+    return Source(path, "gguf", config, list(names), get, load_tokenizer, types, blocks)

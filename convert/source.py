@@ -24,6 +24,10 @@ class Source:
     names: list[str]  # HF tensor names
     get: Callable[[str], np.ndarray]  # name -> numpy array (float)
     load_tokenizer: Callable[[], Any]  # -> transformers tokenizer (None: the source has none)
+    # GGUF files only: each tensor's GGUF type name (Q4_1, F32, ...) and its raw blocks, uint8
+    # [rows, row bytes] as the file stores them (q/k rows already in HF order), for --quantization gguf
+    types: dict[str, str] = dataclasses.field(default_factory=dict)
+    blocks: Callable[[str], np.ndarray] | None = None
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         for n in self.names:

@@ -86,9 +86,11 @@ class ModelArgs:
     quantization: str | None = flag(
         None,
         "quantization of the target's linear layers, per output channel: int8 (weight-only), fp8 (e4m3, "
-        "weight-only) or w8a8_int8 (int8 weights and per-token int8 activations, integer matmuls: the fast one "
-        "on CPU); embeddings, norms and the LM head stay in --dtype (w8a8_int8 adds an int8 copy of the LM head)",
-        choices=("int8", "fp8", "w8a8_int8"),
+        "weight-only) or w8a8_int8 (int8 weights and per-token int8 activations, integer matmuls); embeddings, "
+        "norms and the LM head stay in --dtype (w8a8_int8 adds an int8 copy of the LM head). gguf: a GGUF file's "
+        "Q4_0 / Q4_1 / Q8_0 blocks kept as stored, embedding and LM head included, multiplied by a native kernel "
+        "(CPU only; the fastest mode on CPU)",
+        choices=("int8", "fp8", "w8a8_int8", "gguf"),
     )
     trust_remote_code: bool = flag(
         False,
@@ -179,7 +181,7 @@ class SpeculativeArgs:
     speculative_draft_model_quantization: str | None = flag(
         None,
         "quantization of the draft: int8, fp8, w8a8_int8, or unquant (keep the draft unquantized under a "
-        "quantized target); unset: the target's --quantization",
+        "quantized target); unset: the target's --quantization (w8a8_int8 under gguf, with the native int8 kernel)",
         choices=("int8", "fp8", "w8a8_int8", "unquant"),
     )
     speculative_draft_attention_backend: str | None = flag(

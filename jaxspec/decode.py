@@ -186,7 +186,7 @@ def prompt_logprobs(models: Models, tokens, temperature, k: int, chunk: int = 25
     [chunk, V] of them, not [P, V]."""
     model = models.target()
     p = tokens.shape[1]
-    cache = KVCache.create(model.cfg, 1, p, model.embed_tokens[...].dtype)
+    cache = KVCache.create(model.cfg, 1, p, model.dtype)
     h, _, _, _ = target_prefill(model, cache, tokens, 0, jnp.full((1,), p, jnp.int32), backend=models.backend)
     nxt = jnp.concatenate([tokens[0, 1:], jnp.zeros((1,), tokens.dtype)])  # position i predicts token i + 1
     hs = h[0].reshape(p // chunk, chunk, -1)

@@ -39,6 +39,7 @@ from jaxspec.grammar import Grammars, requested
 from jaxspec.loader import LoadedModel, jnp_dtype, load
 from jaxspec.logprobs import top_k_for
 from jaxspec.prepare import Layout, draft_from_target, prepare_draft, prepare_target
+from jaxspec.quant import draft_quantization
 from jaxspec.requests import (
     LogprobArgs,
     TokenLogprobRows,
@@ -136,6 +137,7 @@ class Engine:
                 progress=show_progress,
                 with_tokenizer=not skip_tokenizer_init,
                 mesh=self.mesh,
+                quantization=args.quantization,
             )
         self.loaded = _loaded
         self.cfg = _loaded.cfg
@@ -169,7 +171,7 @@ class Engine:
             except ValueError as e:
                 raise JaxspecError(str(e)) from None
             draft_layout = dataclasses.replace(
-                layout, quantization=args.speculative_draft_model_quantization or self.quantization
+                layout, quantization=draft_quantization(self.quantization, args.speculative_draft_model_quantization)
             )
             proposer, self.dparams = prepare_draft(
                 self.spec, _loaded, args.dtype, draft_layout, self.mesh, show_progress

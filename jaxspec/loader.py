@@ -5,15 +5,16 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 import jax.numpy as jnp
 
 from jaxspec.config import ModelConfig
 from jaxspec.convert.source import hf_tokenizer
 from jaxspec.convert.sources import checkpoint_quantization, open_source
-from jaxspec.default_model import default_model_path
+from jaxspec.default_model import default_gguf_path, default_model_path
 from jaxspec.errors import JaxspecError
 from jaxspec.models.llama import LlamaForCausalLM
-from jaxspec.models.params import load_model
+from jaxspec.models.params import load_gguf_blocks, load_model
 from jaxspec.sharding import check_heads, placer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -52,28 +53,63 @@ def load(
     progress: bool = True,
     with_tokenizer: bool = True,
     mesh=None,
+    quantization: str | None = None,
 ) -> LoadedModel:
-    """mesh: a tensor-parallel mesh (jaxspec/sharding.py): each weight goes straight to its shards."""
-    path = resolve_model_path(model_path, progress)
+    """mesh: a tensor-parallel mesh (jaxspec/sharding.py): each weight goes straight to its shards.
+    quantization "gguf": a GGUF file's blocks kept as stored (jaxspec/gguf.py); other modes apply
+    later (jaxspec/prepare.py)."""
+    if quantization == "gguf" and model_path in (None, "", "default"):
+        path = default_gguf_path()  # the default model's GGUF file itself, not its float32 conversion
+    else:
+        path = resolve_model_path(model_path, progress)
     src = open_source(path)
     cfg = ModelConfig.from_hf(src.config)
     if mesh is not None:
         check_heads(cfg, mesh.size)
-    model = load_model(
-        cfg,
-        src.names,
-        src.get,
-        jnp_dtype(dtype),
-        progress,
-        desc=f"loading {os.path.basename(path.rstrip('/'))}",
-        place=placer(mesh),
-    )
-    quant = checkpoint_quantization(src.config) if src.kind == "hf" else None
+    desc = f"loading {os.path.basename(path.rstrip('/'))}"
+    if quantization == "gguf":
+        check_gguf(src, dtype, mesh)
+        model = load_gguf_blocks(cfg, src, progress, desc)
+    else:
+        model = load_model(cfg, src.names, src.get, jnp_dtype(dtype), progress, desc=desc, place=placer(mesh))
+    quant = "gguf" if quantization == "gguf" else checkpoint_quantization(src.config) if src.kind == "hf" else None
     if not with_tokenizer:
         return LoadedModel(cfg, model, None, path, src.kind, quant)
     tokenizer = hf_tokenizer(tokenizer_path) if tokenizer_path else src.load_tokenizer()
     check_tokenizer(cfg, tokenizer, path)
     return LoadedModel(cfg, model, tokenizer, path, src.kind, quant)
+
+
+def check_gguf(src, dtype, mesh) -> None:
+    """What --quantization gguf needs, checked before any weight loads: a GGUF file whose tensors
+    are all of the types the kernel multiplies (or float), float32, one CPU device, the kernel built."""
+    from jaxspec import gguf, native
+
+    if src.kind != "gguf":
+        raise JaxspecError(
+            f"--quantization gguf keeps a GGUF file's weight blocks as stored; {src.path} is not a GGUF file "
+            "(use int8, fp8 or w8a8_int8 for other checkpoints)"
+        )
+    bad = sorted({t for t in src.types.values() if t not in gguf.KINDS + gguf.FLOAT_KINDS})
+    if bad:
+        example = next(n for n, t in src.types.items() if t == bad[0])
+        raise JaxspecError(
+            f"{src.path} has GGUF tensors of type {', '.join(bad)} (e.g. {example}); --quantization gguf multiplies "
+            f"{', '.join(gguf.KINDS)} blocks (and reads F32 / F16 as float32); serve this file without "
+            "--quantization to read it as float32"
+        )
+    if dtype not in (None, "auto", "float32"):
+        raise JaxspecError(f"--quantization gguf runs in float32 (activations, norms, KV cache), not --dtype {dtype}")
+    if mesh is not None:
+        raise JaxspecError("--quantization gguf runs on one CPU device; it does not split over --tp-size")
+    if jax.default_backend() != "cpu":
+        raise JaxspecError(
+            f"--quantization gguf is CPU-only (its kernel is XLA:CPU code), and the backend is {jax.default_backend()}; "
+            "serve the GGUF file without --quantization (read as float32) or with --quantization fp8 / int8"
+        )
+    why = native.gguf_unavailable()
+    if why is not None:
+        raise JaxspecError(f"--quantization gguf needs its native kernel, which is unavailable: {why}")
 
 
 def check_tokenizer(cfg: ModelConfig, tokenizer, path: str) -> None:

@@ -11,6 +11,8 @@ Modes (norms, embeddings, LM heads (but see head_int8 below) and the KV cache ke
              SGLang's name for the same scheme. The fastest mode on CPU: few-row products run in
              jaxspec's native int8 kernel (jaxspec/native), many-row ones in XLA's int8 GEMM, while
              XLA:CPU fuses no weight conversion into its float matmuls.
+  gguf       (target only, a GGUF file on CPU) the file's Q4_0 / Q4_1 / Q8_0 blocks kept as stored
+             and multiplied by a native kernel (jaxspec/gguf.py); applied when the model loads
   unquant    (draft only) keep the draft unquantized under a quantized target
 
 Under w8a8_int8 a target (or STANDALONE draft) also gets `head_int8`, an int8 copy of its LM head
@@ -54,12 +56,12 @@ def quantize_weight(w, mode: str):
 def quantize_model(model: nnx.Module, mode: str | None) -> nnx.Module:
     """In place: every Linear of `model` except LM heads quantized to `mode` (None / "unquant":
     unchanged). Returns `model`. The flags' values are checked in jaxspec/args.py."""
-    if mode in (None, "unquant"):
+    if mode in (None, "unquant", "gguf"):  # gguf: the blocks were kept when the model loaded
         return model
     if mode not in QMAX:
         raise JaxspecError(f"unknown quantization {mode!r}; known: {', '.join(QMAX)}, unquant")
     for path, m in list(nnx.iter_graph(model)):
-        if not isinstance(m, Linear) or m.scale is not None or (path and path[-1] == "lm_head"):
+        if not isinstance(m, Linear) or m.scale is not None or m.gguf or (path and path[-1] == "lm_head"):
             continue
         q, scale = quantize_weight(m.kernel[...], mode)
         m.kernel = nnx.Param(q)
@@ -67,12 +69,25 @@ def quantize_model(model: nnx.Module, mode: str | None) -> nnx.Module:
         m.act_int8 = mode == "w8a8_int8"
     if mode == "w8a8_int8":
         for m in [m for _, m in nnx.iter_graph(model) if isinstance(m, LlamaForCausalLM) and m.head_int8 is None]:
-            w = m.embed_tokens[...].T if m.lm_head is None else m.lm_head.kernel[...]  # [H, V]
+            w = m.head_weight()  # [H, V]
             head = nnx.eval_shape(lambda: Linear(1, 1, bias=False, dtype=jnp.float32, rngs=nnx.Rngs(0)))
             q, scale = quantize_weight(w, mode)
             head.kernel, head.scale, head.act_int8 = nnx.Param(q), nnx.data(nnx.Param(scale)), True
             m.head_int8 = nnx.data(head)
     return model
+
+
+def draft_quantization(target: str | None, draft: str | None) -> str | None:
+    """The draft's mode: --speculative-draft-model-quantization, else the target's. A draft is no
+    GGUF file: under a gguf target it runs in w8a8_int8 (measured faster than float beside it on CPU:
+    benchmarks/RESULTS.md), or in float where the native int8 kernel is unavailable."""
+    if draft:
+        return draft
+    if target == "gguf":
+        from jaxspec import native
+
+        return "w8a8_int8" if native.available() else None
+    return target
 
 
 def weight_bytes(state) -> int:

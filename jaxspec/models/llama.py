@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxspec import native
+from jaxspec import gguf, native
 from jaxspec.attention import attention
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig, rope_inv_freq
@@ -44,7 +44,9 @@ class Linear(nnx.Module):
     """y = x @ kernel (+ bias); kernel is [in, out] (HF weights are [out, in], transposed on load),
     or [out, in] once `out_major` has run (self.out_major).
     Quantized (jaxspec/quant.py): kernel int8 / float8 and scale [out], y = (x @ kernel) * scale;
-    with self.act_int8 (w8a8_int8) x is quantized too, per token, and the matmul runs in integers."""
+    with self.act_int8 (w8a8_int8) x is quantized too, per token, and the matmul runs in integers.
+    With self.gguf (a GGUF block type, jaxspec/gguf.py): kernel is a GGUF file's blocks [out, in / 32
+    * block bytes] uint8, multiplied as stored."""
 
     def __init__(self, din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs):
         self.kernel = nnx.Param(jax.random.normal(rngs.params(), (din, dout), dtype) * INIT_STD)
@@ -52,9 +54,13 @@ class Linear(nnx.Module):
         self.scale: Any = None  # an nnx.Param once quantized
         self.out_major = False
         self.act_int8 = False
+        self.gguf: str | None = None
 
     def __call__(self, x):
         w = self.kernel[...]
+        if self.gguf is not None:
+            y = gguf.matmul(x, w, self.gguf)
+            return y if self.bias is None else y + self.bias[...]
         if self.act_int8:
             y = int8_matmul(x, w, self.scale[...], self.out_major)
             return y if self.bias is None else y + self.bias[...]
@@ -65,12 +71,23 @@ class Linear(nnx.Module):
             y = y * self.scale[...].astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]
 
+    @staticmethod
+    def joinable(parts: list[Linear]) -> bool:
+        """Whether `concat` can join `parts`: all float, or all GGUF blocks of one type."""
+        return len({p.gguf for p in parts}) == 1
+
     @classmethod
     def concat(cls, parts: list[Linear], shards: int) -> Linear:
-        """One Linear computing all of `parts` (same input) at once; output columns shard-major."""
+        """One Linear computing all of `parts` (same input) at once; output columns shard-major
+        (GGUF blocks, stored out-major: their rows joined, for one shard)."""
         k0, biases = parts[0].kernel[...], [p.bias[...] for p in parts if p.bias is not None]
-        lin = nnx.eval_shape(lambda: cls(k0.shape[0], 1, bias=bool(biases), dtype=k0.dtype, rngs=nnx.Rngs(0)))
-        lin.kernel = nnx.Param(concat_shards([p.kernel[...] for p in parts], shards))
+        dtype = jnp.float32 if parts[0].gguf is not None else k0.dtype  # (the kernel is replaced below)
+        lin = nnx.eval_shape(lambda: cls(k0.shape[0], 1, bias=bool(biases), dtype=dtype, rngs=nnx.Rngs(0)))
+        if parts[0].gguf is not None:
+            lin.kernel = nnx.Param(jnp.concatenate([p.kernel[...] for p in parts]))
+            lin.gguf, lin.out_major = parts[0].gguf, True
+        else:
+            lin.kernel = nnx.Param(concat_shards([p.kernel[...] for p in parts], shards))
         if biases:
             lin.bias = nnx.Param(concat_shards(biases, shards))
         return lin
@@ -177,6 +194,8 @@ class Attention(nnx.Module):
         """q/k/v_proj -> qkv_proj, kernel [Hin, (Nh + 2 Nkv) D] shard-major for `shards` shards."""
         if self.cfg.num_heads % shards or self.cfg.num_kv_heads % shards:
             raise JaxspecError(f"{shards} shards must divide the query and KV head counts")
+        if not Linear.joinable([self.q_proj, self.k_proj, self.v_proj]):
+            return  # GGUF blocks of different types: three products
         self.qkv_proj = Linear.concat([self.q_proj, self.k_proj, self.v_proj], shards)
         del self.q_proj, self.k_proj, self.v_proj
         self.shards = shards
@@ -217,6 +236,8 @@ class MLP(nnx.Module):
         """gate/up_proj -> gate_up_proj, kernel [H, 2 I] shard-major for `shards` shards (1 when
         they do not divide I: the sharding rules then keep it whole on every device)."""
         shards = shards if self.intermediate % shards == 0 else 1
+        if not Linear.joinable([self.gate_proj, self.up_proj]):
+            return
         self.gate_up_proj = Linear.concat([self.gate_proj, self.up_proj], shards)
         del self.gate_proj, self.up_proj
         self.shards = shards
@@ -263,6 +284,26 @@ class LlamaForCausalLM(nnx.Module):
         )
         self.out_major = False  # set by out_major: few-row logits from the tied embedding by small_rows_matmul
         self.head_int8: Linear | None = None  # w8a8_int8 (jaxspec/quant.py): an int8 copy of the LM head
+        # --quantization gguf: the GGUF block type of embed_tokens, then [V, H / 32 * block bytes] uint8
+        self.embed_kind: str | None = None
+
+    @property
+    def dtype(self):
+        """The dtype activations and the KV cache run in (the parameters', float32 under GGUF blocks)."""
+        return self.norm.weight[...].dtype
+
+    def embed(self, tokens):
+        """tokens [...] int32 -> their embeddings [..., H] in self.dtype."""
+        if self.embed_kind is not None:
+            return gguf.rows(self.embed_tokens[...], self.embed_kind, tokens).astype(self.dtype)
+        return self.embed_tokens[...][tokens]
+
+    def embedding_weight(self):
+        """The whole embedding [V, H] as floats (read back from GGUF blocks where it is kept so)."""
+        w = self.embed_tokens[...]
+        if self.embed_kind is None:
+            return w
+        return gguf.rows(w, self.embed_kind, jnp.arange(self.cfg.vocab_size)).astype(self.dtype)
 
     def __call__(
         self,
@@ -279,7 +320,7 @@ class LlamaForCausalLM(nnx.Module):
         `captured[j]` is the residual stream at the *input* of layer capture_layers[j]
         (EAGLE-3 takes three of them); capture index num_layers is the pre-norm output."""
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
-        x = self.embed_tokens[...][tokens]
+        x = self.embed(tokens)
         captured = []
         for i, layer in enumerate(self.layers):
             if i in capture_layers:
@@ -291,15 +332,28 @@ class LlamaForCausalLM(nnx.Module):
         cap = jnp.stack(captured) if captured else None
         return h, cache, cap
 
+    def head_weight(self):
+        """The LM head [H, V] as floats (the tied embedding transposed; read back from GGUF blocks)."""
+        if self.lm_head is None:
+            return self.embedding_weight().T
+        k = self.lm_head.kernel[...]
+        if self.lm_head.gguf is not None:
+            return gguf.rows(k, self.lm_head.gguf, jnp.arange(self.cfg.vocab_size)).astype(self.dtype).T
+        return k.T if self.lm_head.out_major else k
+
     def logits(self, h):
         """h: [..., H] -> float32 logits [..., V]."""
         if self.head_int8 is not None:
             return self.head_int8(h).astype(jnp.float32)
         if self.lm_head is None:
             w = self.embed_tokens[...]
+            if self.embed_kind is not None:
+                return gguf.matmul(h.astype(jnp.float32), w, self.embed_kind)
             if self.out_major:
                 return small_rows_matmul(h, w, jnp.float32)
             return jnp.einsum("...h,vh->...v", h, w, preferred_element_type=jnp.float32)
+        if self.lm_head.gguf is not None:
+            return self.lm_head(h.astype(jnp.float32))
         return (h @ self.lm_head.kernel[...]).astype(jnp.float32)
 
 
@@ -330,7 +384,7 @@ def out_major(model: nnx.Module) -> nnx.Module:
         if isinstance(m, (Attention, MLP)):
             lins = [lin for _, lin in nnx.iter_graph(m) if isinstance(lin, Linear)]
         for lin in lins:
-            if not lin.out_major and (int8_too or not lin.act_int8):
+            if not lin.out_major and lin.gguf is None and (int8_too or not lin.act_int8):
                 lin.kernel = nnx.Param(lin.kernel[...].T)
                 lin.out_major = True
     return model

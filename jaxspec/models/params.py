@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import JaxspecError
-from jaxspec.models.llama import LlamaForCausalLM
+from jaxspec.models.llama import Linear, LlamaForCausalLM
 from jaxspec.models.mtp import is_mtp_tensor
 
 # Keys a checkpoint may carry that we do not need.
@@ -57,6 +57,54 @@ def load_model(
     return load_module(
         lambda: LlamaForCausalLM(cfg, dtype, rngs=nnx.Rngs(0)), hf_key, names, get, dtype, progress, desc, ignore, place
     )
+
+
+def load_gguf_blocks(cfg: ModelConfig, src, progress: bool = True, desc: str = "loading weights") -> LlamaForCausalLM:
+    """The target of a GGUF Source (convert/gguf_llama.py) with its Q4_0 / Q4_1 / Q8_0 tensors kept
+    as the file's blocks (jaxspec/gguf.py): each such Linear's kernel is uint8 [out, in / 32 * block
+    bytes] with `gguf` set to its type, and a block-quantized token embedding stays so (embed_kind);
+    4-bit ones with out a multiple of 8 in the kernel's interleaved layout (type + "x8", the same bytes).
+    F32 / F16 tensors are read as float32. Nothing passes through a float32 copy of the blocks.
+    The caller checked the types (loader.check_gguf_types)."""
+    from jaxspec import gguf
+
+    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, jnp.float32, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    names, leaves, kinds, missing = set(src.names), [], {}, []
+    for path, var in tqdm(list(nnx.to_flat_state(state)), desc=desc, unit="tensor", disable=not progress, leave=False):
+        key, transpose = hf_key(path)
+        if key not in names:
+            missing.append(key)
+            continue
+        kind = src.types[key]
+        if kind in gguf.KINDS and (path[-1] == "kernel" or path == ("embed_tokens",)):
+            kinds[path[:-1] if path[-1] == "kernel" else path] = kind
+            rows, inner = (var.shape[1], var.shape[0]) if path[-1] == "kernel" else var.shape
+            raw = src.blocks(key)
+            if raw.shape != (rows, inner // gguf.BLOCK * gguf.block_bytes(kind)):
+                raise JaxspecError(f"checkpoint does not match its config: {key} ({kind}) is not {rows} x {inner}")
+            if rows % 8 == 0 and kind != "Q8_0":  # the kernel's faster 4-bit layout: 8 rows side by side
+                raw = gguf.interleave(raw, kind)
+                kinds[path[:-1] if path[-1] == "kernel" else path] = kind + "x8"
+            leaves.append((path, var.replace(jnp.asarray(np.ascontiguousarray(raw)))))
+            continue
+        arr = src.get(key)
+        arr = arr.T if transpose else arr
+        if tuple(arr.shape) != tuple(var.shape):
+            raise JaxspecError(
+                f"checkpoint does not match its config: {key} is {tuple(arr.shape)}, not {tuple(var.shape)}"
+            )
+        leaves.append((path, var.replace(jnp.asarray(arr, jnp.float32))))
+    if missing:
+        raise JaxspecError(
+            f"checkpoint does not match its config: {len(missing)} missing tensors (e.g. {', '.join(missing[:4])})"
+        )
+    model = nnx.merge(graphdef, nnx.from_flat_state(leaves))
+    for path, m in nnx.iter_graph(model):
+        if tuple(path) in kinds and isinstance(m, Linear):
+            m.gguf, m.out_major = kinds[tuple(path)], True
+    model.embed_kind = kinds.get(("embed_tokens",))
+    return model
 
 
 def load_module(

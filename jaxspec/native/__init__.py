@@ -14,6 +14,10 @@ jax version. Without a compiler, or with JAXSPEC_NATIVE_KERNELS=0, `available()`
 the engine keeps XLA's int8 dot (a failure is logged once). GPUs and tensor-parallel engines never
 use it (XLA cannot partition a custom call).
 
+`gguf_matmul`, GGUF weight blocks (Q4_0, Q4_1, Q8_0) multiplied as the file stores them, for
+`--quantization gguf` (jaxspec/gguf.py): each block's 4- or 8-bit weights times the activations
+quantized per block of 32, as llama.cpp multiplies them (gguf_matmul.cc). Same build, same paths.
+
 The other: host_call.py, calls from a compiled program back into Python (constrained decoding's
 grammar masks) that, unlike jax.pure_callback, JAX's persistent compilation cache can keep.
 """
@@ -32,13 +36,22 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxspec.errors import JaxspecError
 from jaxspec.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 ENV = "JAXSPEC_NATIVE_KERNELS"
 SOURCE = os.path.join(os.path.dirname(__file__), "int8_matmul.cc")
 TARGET = "jaxspec_int8_matmul"
+GGUF_SOURCE = os.path.join(os.path.dirname(__file__), "gguf_matmul.cc")
+GGUF_TARGET = "jaxspec_gguf_matmul"
+# GGML type ids of the block formats gguf_matmul multiplies, and each block's bytes (32 weights)
+GGUF_BLOCKS = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+# their interleaved layouts (8 weight rows side by side, jaxspec/gguf.py `interleave`): id, bytes per
+# group of 8 rows and block
+GGUF_X8 = {"Q4_0x8": (102, 144), "Q4_1x8": (103, 160)}
 
 
 def _cpu_id() -> str:
@@ -82,29 +95,61 @@ def _build(source: str = SOURCE) -> str:
 
 
 @functools.cache
-def _register(path: str) -> None:
-    """Loads the library and registers its handler with XLA (once per library)."""
+def _register(path: str, symbol: str, target: str) -> None:
+    """Loads the library and registers its handler `symbol` with XLA as `target` (once per library)."""
     lib = ctypes.cdll.LoadLibrary(path)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxspecInt8Matmul), platform="cpu")
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+
+
+def enabled() -> bool:
+    """False where native kernels cannot run: JAXSPEC_NATIVE_KERNELS=0, or a default backend other
+    than the CPU."""
+    return os.environ.get(ENV, "").strip().lower() not in ("0", "false", "no", "off") and jax.default_backend() == "cpu"
+
+
+def _load(source: str, symbol: str, target: str) -> str | None:
+    """Builds and registers one kernel; None when it is ready, else why not (one line)."""
+    if not enabled():
+        return f"disabled ({ENV}=0 or not on a CPU)"
+    try:
+        _register(_build(source), symbol, target)
+    except Exception as e:  # no compiler, a failed build, an FFI mismatch
+        return str(e).splitlines()[0]
+    return None
 
 
 @functools.cache
 def available() -> bool:
-    """True when the kernel is compiled, loaded and registered for XLA:CPU (the default backend is
-    the CPU and JAXSPEC_NATIVE_KERNELS is not 0)."""
-    if os.environ.get(ENV, "").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    if jax.default_backend() != "cpu":
-        return False
-    try:
-        _register(_build())
-    except Exception as e:  # no compiler, a failed build, an FFI mismatch: XLA's int8 dot instead
-        logger.warning("native int8 kernel unavailable (%s); w8a8_int8 uses XLA's int8 dot", str(e).splitlines()[0])
-        return False
-    return True
+    """True when the int8 kernel is compiled, loaded and registered for XLA:CPU (the default backend
+    is the CPU and JAXSPEC_NATIVE_KERNELS is not 0)."""
+    why = _load(SOURCE, "JaxspecInt8Matmul", TARGET)
+    if why is not None and enabled():
+        logger.warning("native int8 kernel unavailable (%s); w8a8_int8 uses XLA's int8 dot", why)
+    return why is None
+
+
+@functools.cache
+def gguf_unavailable() -> str | None:
+    """None when the GGUF block kernel (gguf_matmul.cc) is ready on XLA:CPU, else why not: the
+    `gguf` quantization has no other path, so the caller reports it."""
+    return _load(GGUF_SOURCE, "JaxspecGgufMatmul", GGUF_TARGET)
 
 
 def int8_matmul(xq, w):
     """xq [R, I] int8 times an out-major int8 weight w [O, I] -> [R, O] int32 (exact), on one thread.
     (Two calls over halves of the columns ran no faster: XLA:CPU did not run them at once.)"""
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((xq.shape[0], w.shape[0]), jnp.int32))(xq, w)
+
+
+def gguf_matmul(x, w, kind: str):
+    """x [R, I] float32 times GGUF blocks w [O, I / 32 * block bytes] uint8 of type `kind` (a key of
+    GGUF_BLOCKS; row o of w holds weight row o), or their interleaved layout [O / 8, I / 32 * group
+    bytes] (a key of GGUF_X8) -> [R, O] float32, activations quantized per block of 32 as llama.cpp
+    does (gguf_matmul.cc), the weight rows split over the kernel's threads."""
+    why = gguf_unavailable()  # builds and registers it on first use
+    if why is not None:
+        raise JaxspecError(f"the native GGUF kernel is unavailable: {why}")
+    kind_id, out = (GGUF_X8[kind][0], 8 * w.shape[0]) if kind in GGUF_X8 else (GGUF_BLOCKS[kind][0], w.shape[0])
+    return jax.ffi.ffi_call(GGUF_TARGET, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32))(
+        x, w, kind=np.int32(kind_id)
+    )

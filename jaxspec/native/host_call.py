@@ -86,9 +86,7 @@ def recording() -> Iterator[list[str]]:
 @functools.cache
 def available() -> bool:
     """True when the handler is built, loaded and registered for XLA:CPU (see native.available)."""
-    if os.environ.get(native.ENV, "").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    if jax.default_backend() != "cpu":
+    if not native.enabled():
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(native._build(SOURCE))

@@ -389,7 +389,7 @@ def plain_steps(
 
     f = prop.features(*_feature_shapes(tgt, prop, b))
     toks = jnp.zeros((b, steps), jnp.int32)
-    feats = jnp.zeros((b, steps, 1 if f is None else f.shape[-1]), tgt.embed_tokens[...].dtype)
+    feats = jnp.zeros((b, steps, 1 if f is None else f.shape[-1]), tgt.dtype)
     ct0 = state.verify_ct
     carry = (jnp.int32(0), state, toks, feats)
     if early_exit:
@@ -408,7 +408,7 @@ def plain_steps(
 def _feature_shapes(tgt, prop: Proposer, b: int):
     """Placeholder (h [B, 1, H], captured [L, B, 1, H]) to read the draft feature width from."""
     hdim = tgt.cfg.hidden_size
-    h = jnp.zeros((b, 1, hdim), tgt.embed_tokens[...].dtype)
+    h = jnp.zeros((b, 1, hdim), tgt.dtype)
     cap = jnp.zeros((len(prop.capture_layers), b, 1, hdim), h.dtype) if prop.capture_layers else None
     return h, cap
 

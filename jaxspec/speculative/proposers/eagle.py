@@ -64,7 +64,7 @@ class EagleProposer(Proposer):
 
     def _run(self, dparams, tgt, cache, tokens, hidden, pos, mask=None, offset=0, backend=None):
         head = nnx.merge(self.graphdef, dparams["draft"])
-        embeds = tgt.embed_tokens[...][tokens]
+        embeds = tgt.embed(tokens)
         lh, fb, cache = head(embeds, hidden, pos, cache, mask, offset, backend or self.attention_backend)
         return head, lh, fb, cache
 
@@ -126,7 +126,7 @@ class MultiLayerMTPProposer(EagleProposer):
             buf = cache.read(d + j - 2)[0][:, :, 0]  # [B, S, H] module j-1's outputs
             hidden = jnp.take_along_axis(buf, jnp.clip(pos, 0, buf.shape[1] - 1)[:, :, None], 1)
         head = nnx.merge(self.graphdef, dparams["draft"]).heads[j - 1]
-        embeds = tgt.embed_tokens[...][toks]
+        embeds = tgt.embed(toks)
         lengths = cache.lengths
         c = dataclasses.replace(cache, lengths=s)
         out, _, c = head(embeds, hidden, pos, c, None, 0, backend or self.attention_backend, layer=j - 1)
@@ -216,7 +216,7 @@ def load_eagle(spec, target, dtype, progress=True):
         if spec.token_map:
             ids = load_token_map(spec.token_map, target.cfg.vocab_size)
             m = target.model
-            w = m.embed_tokens[...].T if target.cfg.tie_word_embeddings else m.lm_head.kernel[...]
+            w = m.head_weight()
             dparams["token_map"] = jnp.asarray(ids)
             dparams["head"] = jnp.asarray(w[:, ids], jdt)
             vocab = len(ids)

@@ -67,7 +67,7 @@ def load_standalone(spec, target, dtype, progress=True):
     vocab = d.cfg.vocab_size
     if spec.token_map:
         ids = load_token_map(spec.token_map, d.cfg.vocab_size)
-        w = d.model.embed_tokens[...].T if d.cfg.tie_word_embeddings else d.model.lm_head.kernel[...]
+        w = d.model.head_weight()
         dparams["token_map"] = jnp.asarray(ids)
         dparams["head"] = jnp.asarray(w[:, ids], jnp_dtype(dtype))
         vocab = len(ids)
