@@ -118,7 +118,9 @@ def main():
         help="int8, fp8, w8a8_int8 or gguf (the default model's GGUF blocks) for every engine's target, and "
         "its draft unless --draft-quantization says otherwise",
     )
-    ap.add_argument("--draft-quantization", default=None, help="--speculative-draft-model-quantization for every engine")
+    ap.add_argument(
+        "--draft-quantization", default=None, help="--speculative-draft-model-quantization for every engine"
+    )
     ap.add_argument(
         "--compare-layouts",
         action="store_true",
@@ -130,7 +132,9 @@ def main():
     from jaxspec.loader import load
 
     os.makedirs(args.out, exist_ok=True)
-    loaded = load(args.model_path, "float32", progress=False, quantization="gguf" if args.quantization == "gguf" else None)
+    loaded = load(
+        args.model_path, "float32", progress=False, quantization="gguf" if args.quantization == "gguf" else None
+    )
     common_kw = dict(
         _loaded=loaded,
         max_running_requests=args.batch_size,
