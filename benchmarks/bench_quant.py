@@ -45,14 +45,15 @@ CONFIGS = {
     "w8a8+draft": dict(quantization="w8a8_int8", speculative_algorithm="EAGLE3", speculative_adaptive=False),
     # the shipped draft as `jaxspec serve` runs it by default: adaptive speculation on
     "w8a8+adaptive": dict(quantization="w8a8_int8", speculative_algorithm="EAGLE3"),
-    # the GGUF file's own blocks (the default model's GGUF, not its float32 conversion)
+    # the GGUF file's own blocks (the default model's GGUF, not its float32 conversion); the draft
+    # in w8a8_int8 beside it (the default), or in float32
     "gguf": dict(quantization="gguf"),
     "gguf+draft": dict(quantization="gguf", speculative_algorithm="EAGLE3", speculative_adaptive=False),
-    "gguf+draft-w8a8": dict(
+    "gguf+draft-f32": dict(
         quantization="gguf",
         speculative_algorithm="EAGLE3",
         speculative_adaptive=False,
-        speculative_draft_model_quantization="w8a8_int8",
+        speculative_draft_model_quantization="unquant",
     ),
     "gguf+adaptive": dict(quantization="gguf", speculative_algorithm="EAGLE3"),
 }

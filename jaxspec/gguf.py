@@ -37,20 +37,21 @@ def block_bytes(kind: str) -> int:
 
 
 def interleave(raw: np.ndarray, kind: str) -> np.ndarray:
-    """Q4_0 / Q4_1 blocks [O, nb * block bytes] (O a multiple of 8) -> the kernel's interleaved
-    layout of `kind + "x8"`, [O / 8, nb * group bytes], the same bytes reordered (gguf_matmul.cc
-    describes it): per group of 8 rows and block, the 8 scales (and minimums), then the weights as
-    runs of 32 bytes holding 4 weights of each of the 8 rows, so that one dot product instruction
-    serves 8 rows."""
+    """GGUF blocks [O, nb * block bytes] (O a multiple of 8) -> the kernel's interleaved layout of
+    `kind + "x8"`, [O / 8, nb * group bytes], the same bytes reordered (gguf_matmul.cc describes it):
+    per group of 8 rows and block, the 8 scales (and minimums), then the weights as runs of 32 bytes
+    holding 4 weights of each of the 8 rows, so that one dot product instruction serves 8 rows."""
     o, bs = raw.shape[0], block_bytes(kind)
     g = raw.reshape(o // 8, 8, -1, bs).transpose(0, 2, 1, 3)  # [groups, nb, 8 rows, block bytes]
     scales = [g[..., 0:2].reshape(*g.shape[:2], 16)]
     if kind == "Q4_1":
         scales.append(g[..., 2:4].reshape(*g.shape[:2], 16))
-    # run t, byte 4 j + i = q[row j][8 t + i] | q[row j][8 t + 4 + i] << 4
-    qs = g[..., 4:] if kind == "Q4_1" else g[..., 2:]
-    v = np.concatenate([qs & 15, qs >> 4], -1).reshape(*g.shape[:3], 4, 2, 4)  # weight 8 t + 4 h + i
-    q = (v[..., 0, :] | (v[..., 1, :] << 4)).transpose(0, 1, 3, 2, 4)
+    if kind == "Q8_0":  # run k, byte 4 j + i = q[row j][4 k + i]
+        q = g[..., 2:].reshape(*g.shape[:3], 8, 4).transpose(0, 1, 3, 2, 4)
+    else:  # run t, byte 4 j + i = q[row j][8 t + i] | q[row j][8 t + 4 + i] << 4
+        qs = g[..., 4:] if kind == "Q4_1" else g[..., 2:]
+        v = np.concatenate([qs & 15, qs >> 4], -1).reshape(*g.shape[:3], 4, 2, 4)  # weight 8 t + 4 h + i
+        q = (v[..., 0, :] | (v[..., 1, :] << 4)).transpose(0, 1, 3, 2, 4)
     out = np.concatenate([*scales, q.reshape(*g.shape[:2], -1)], -1)
     return np.ascontiguousarray(out.reshape(o // 8, -1))
 
@@ -67,6 +68,10 @@ def rows(w, kind: str, ids):
         pick(grp[..., lo : lo + 16].reshape(*grp.shape[:2], 8, 2)), jnp.float16
     ).astype(jnp.float32)
     d = half(0)  # [N, nb]
+    if base == "Q8_0":
+        q = grp[..., 16:].reshape(*grp.shape[:2], 8, 8, 4).transpose(0, 1, 3, 2, 4)  # [N, nb, 8 rows, k, i]
+        q = pick(q.reshape(*grp.shape[:2], 8, 32))
+        return (d[..., None] * jax.lax.bitcast_convert_type(q, jnp.int8).astype(jnp.float32)).reshape(*ids.shape, -1)
     off = 32 if base == "Q4_1" else 16
     b = grp[..., off:].reshape(*grp.shape[:2], 4, 8, 4).transpose(0, 1, 3, 2, 4)  # [N, nb, 8 rows, t, i]
     b = pick(b.reshape(*grp.shape[:2], 8, 16)).reshape(*grp.shape[:2], 4, 1, 4)

@@ -99,7 +99,11 @@ def draft_from_target(loaded: LoadedModel, algo: str | None) -> tuple | None:
     """A draft the target itself supplies when no draft path is given: an MTP module inside its
     checkpoint (for EAGLE / NEXTN, as SGLang falls back to the target path), else a draft of that
     algorithm shipped with jaxspec for it (jaxspec.drafts); algo None (speculative_algorithm unset)
-    asks for the target's default shipped draft."""
+    asks for the target's default shipped draft, except under --quantization gguf, where the shipped
+    draft measured slower than plain decoding on CPU (benchmarks/RESULTS.md): there it runs only when
+    asked for by name."""
+    if algo is None and loaded.quantization == "gguf":
+        return None
     if algo == "EAGLE" and loaded.source_kind == "hf" and os.path.isdir(loaded.path):
         src = open_hf_dir(loaded.path, check_config=False)
         if mtp_layout(src.config, src.names):

@@ -75,7 +75,7 @@ def test_kernel_matches_a_reference_and_rows_are_independent(kind):
         assert np.array_equal(np.asarray(f(x[-1:], blocks))[0], y[-1])
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_interleaved_layout_holds_the_same_weights_and_products(kind):
     """The 8-row interleaved layout: the same bytes, rows read back exactly, products equal to the
     plain layout's up to float summation order, and rows independent of each other."""
@@ -264,3 +264,21 @@ def test_bad_input_is_a_clear_error(files, tmp_path, monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     with pytest.raises(JaxspecError, match="CPU-only"):
         engine(files["q4_1"], quantization="gguf")
+
+
+def test_the_shipped_draft_runs_under_gguf_only_when_named():
+    """Under gguf the shipped draft measured slower than plain decoding, so it is not turned on by
+    itself; named, it is there as for any other mode."""
+    import dataclasses
+
+    from jaxspec.config import ModelConfig
+    from jaxspec.convert.sources import open_source
+    from jaxspec.default_model import default_gguf_path
+    from jaxspec.loader import LoadedModel
+    from jaxspec.prepare import draft_from_target
+
+    path = default_gguf_path()
+    loaded = LoadedModel(ModelConfig.from_hf(open_source(path).config), None, None, path, "gguf", "gguf")
+    assert draft_from_target(loaded, None) is None
+    assert draft_from_target(loaded, "EAGLE3") is not None
+    assert draft_from_target(dataclasses.replace(loaded, quantization=None), None) is not None

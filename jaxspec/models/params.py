@@ -63,7 +63,7 @@ def load_gguf_blocks(cfg: ModelConfig, src, progress: bool = True, desc: str = "
     """The target of a GGUF Source (convert/gguf_llama.py) with its Q4_0 / Q4_1 / Q8_0 tensors kept
     as the file's blocks (jaxspec/gguf.py): each such Linear's kernel is uint8 [out, in / 32 * block
     bytes] with `gguf` set to its type, and a block-quantized token embedding stays so (embed_kind);
-    4-bit ones with out a multiple of 8 in the kernel's interleaved layout (type + "x8", the same bytes).
+    with out a multiple of 8, in the kernel's interleaved layout (type + "x8", the same bytes).
     F32 / F16 tensors are read as float32. Nothing passes through a float32 copy of the blocks.
     The caller checked the types (loader.check_gguf_types)."""
     from jaxspec import gguf
@@ -83,10 +83,10 @@ def load_gguf_blocks(cfg: ModelConfig, src, progress: bool = True, desc: str = "
             raw = src.blocks(key)
             if raw.shape != (rows, inner // gguf.BLOCK * gguf.block_bytes(kind)):
                 raise JaxspecError(f"checkpoint does not match its config: {key} ({kind}) is not {rows} x {inner}")
-            if rows % 8 == 0 and kind != "Q8_0":  # the kernel's faster 4-bit layout: 8 rows side by side
+            if rows % 8 == 0:  # the kernel's faster layout: 8 rows side by side (the same bytes)
                 raw = gguf.interleave(raw, kind)
                 kinds[path[:-1] if path[-1] == "kernel" else path] = kind + "x8"
-            leaves.append((path, var.replace(jnp.asarray(np.ascontiguousarray(raw)))))
+            leaves.append((path, var.replace(jnp.asarray(np.array(raw)))))  # copies: see below
             continue
         arr = src.get(key)
         arr = arr.T if transpose else arr
@@ -94,7 +94,8 @@ def load_gguf_blocks(cfg: ModelConfig, src, progress: bool = True, desc: str = "
             raise JaxspecError(
                 f"checkpoint does not match its config: {key} is {tuple(arr.shape)}, not {tuple(var.shape)}"
             )
-        leaves.append((path, var.replace(jnp.asarray(arr, jnp.float32))))
+        # a copy: on CPU jax may keep a view of the GGUF file's memory map, and with it the whole map
+        leaves.append((path, var.replace(jnp.asarray(np.array(arr, np.float32)))))
     if missing:
         raise JaxspecError(
             f"checkpoint does not match its config: {len(missing)} missing tensors (e.g. {', '.join(missing[:4])})"

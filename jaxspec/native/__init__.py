@@ -51,7 +51,7 @@ GGUF_TARGET = "jaxspec_gguf_matmul"
 GGUF_BLOCKS = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 # their interleaved layouts (8 weight rows side by side, jaxspec/gguf.py `interleave`): id, bytes per
 # group of 8 rows and block
-GGUF_X8 = {"Q4_0x8": (102, 144), "Q4_1x8": (103, 160)}
+GGUF_X8 = {"Q4_0x8": (102, 144), "Q4_1x8": (103, 160), "Q8_0x8": (108, 272)}
 
 
 def _cpu_id() -> str:

@@ -45,16 +45,19 @@ constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGML type ids
 
 int BlockBytes(int kind) { return kind == kQ4_0 ? 18 : kind == kQ4_1 ? 20 : kind == kQ8_0 ? 34 : 0; }
 
-// Interleaved 4-bit layouts ("x8", made at load by jaxspec/gguf.py `interleave`): 8 weight rows'
-// blocks side by side, so that one vector holds 4 weights of each of 8 rows and a dot product
-// instruction yields 8 rows' sums at once, and one scale-and-add serves 8 rows. Per group of 8 rows
-// and block b, GroupBytes(kind) bytes:
+// Interleaved layouts ("x8", made at load by jaxspec/gguf.py `interleave`): 8 weight rows' blocks
+// side by side, so that one vector holds 4 weights of each of 8 rows and a dot product instruction
+// yields 8 rows' sums at once, and one scale-and-add serves 8 rows. Per group of 8 rows and block b,
+// GroupBytes(kind) bytes:
 //   Q4_0x8  d[8] (float16) | 128 bytes of nibbles
 //   Q4_1x8  d[8] | m[8] | 128 bytes of nibbles
+//   Q8_0x8  d[8] | 256 bytes q
 // Nibbles: 4 runs of 32 bytes; run t, byte 4 j + i = q[row j][8 t + i] | q[row j][8 t + 4 + i] << 4
-// (i < 4). (Q8_0 interleaved so was measured no faster on 4-8 rows, and is not offered.)
+// (i < 4). Q8_0: 8 runs of 32 bytes; run k, byte 4 j + i = q[row j][4 k + i].
 constexpr int kX8 = 100;  // kind + kX8: the interleaved layout of kind
-int GroupBytes(int kind) { return kind == kQ4_0 + kX8 ? 144 : kind == kQ4_1 + kX8 ? 160 : 0; }
+int GroupBytes(int kind) {
+  return kind == kQ4_0 + kX8 ? 144 : kind == kQ4_1 + kX8 ? 160 : kind == kQ8_0 + kX8 ? 272 : 0;
+}
 
 float HalfToFloat(uint16_t h) {
 #if defined(__F16C__)
@@ -95,14 +98,13 @@ float RoundToHalf(float x) {
 // offset term); d8 and s8 hold d and s / 8 eight times each, for 8-lane vector products.
 struct Activations {
   std::vector<int8_t> q;
-  std::vector<int32_t> q4;  // each 4 bytes of q eight times (the interleaved layouts' broadcast operand)
   std::vector<float> d, s, d8, s8;
   std::vector<int32_t> sum;
 
   // Fills the buffers (kept by the calling thread from call to call: no allocation per call).
   void Quantize(const float* x, int64_t rows, int64_t in) {
     q.resize(rows * in), d.resize(rows * in / 32), s.resize(d.size()), d8.resize(8 * d.size());
-    s8.resize(8 * d.size()), sum.resize(d.size()), q4.resize(64 * d.size());
+    s8.resize(8 * d.size()), sum.resize(d.size());
     for (int64_t blk = 0; blk < rows * in / 32; ++blk) {
       const float* xb = x + blk * 32;
       float amax = 0.0f;
@@ -118,11 +120,6 @@ struct Activations {
       sum[blk] = total;
       s[blk] = RoundToHalf(dx * float(total));
       for (int i = 0; i < 8; ++i) d8[8 * blk + i] = d[blk], s8[8 * blk + i] = s[blk] / 8;
-      for (int j = 0; j < 8; ++j) {
-        int32_t four;
-        std::memcpy(&four, q.data() + blk * 32 + 4 * j, 4);
-        for (int i = 0; i < 8; ++i) q4[64 * blk + 8 * j + i] = four;
-      }
     }
   }
 };
@@ -238,7 +235,8 @@ void Pass(const Activations& a, int64_t r0, const uint8_t* w, float* y, int64_t 
 #if defined(__AVX2__) && defined(__F16C__)
 // Rows r0 .. r0 + NR of y for weight row groups [g0, g1) of an interleaved layout (Kind: the block
 // type without kX8). Per group, block and row: 8 dot product instructions (each 4 weights of 8
-// rows times 4 broadcast activations), then one scale-and-add for all 8 rows.
+// rows times 4 activations broadcast straight from memory: a broadcast copy of the activations, read
+// through the cache, was 1.5x slower at 4 rows), then one scale-and-add for all 8 rows.
 template <int Kind, int NR>
 void PassX8(const Activations& a, int64_t r0, const uint8_t* w, float* y, int64_t in, int64_t out, int64_t g0,
             int64_t g1) {
@@ -251,21 +249,34 @@ void PassX8(const Activations& a, int64_t r0, const uint8_t* w, float* y, int64_
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = wg + b * gs;
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-      __m256i wv[8];
+      __m256i wv[8];  // Q8_0: |q|, the signs applied to the activations instead
       __m256 m = _mm256_setzero_ps();
-      const uint8_t* qs = blk + (Kind == kQ4_1 ? 32 : 16);
-      if constexpr (Kind == kQ4_1) m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
-      for (int t = 0; t < 4; ++t) {
-        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
-        wv[2 * t] = _mm256_and_si256(p, low);
-        wv[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+      if constexpr (Kind == kQ8_0) {
+        for (int k = 0; k < 8; ++k) {
+          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * k));
+          wv[k] = _mm256_sign_epi8(q, q);
+        }
+      } else {
+        const uint8_t* qs = blk + (Kind == kQ4_1 ? 32 : 16);
+        if constexpr (Kind == kQ4_1) m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+        for (int t = 0; t < 4; ++t) {
+          const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
+          wv[2 * t] = _mm256_and_si256(p, low);
+          wv[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+        }
       }
       for (int r = 0; r < NR; ++r) {
         const int64_t k = (r0 + r) * nb + b;
-        const int32_t* xb = a.q4.data() + k * 64;
+        const int8_t* xb = a.q.data() + k * 32;
         __m256i dot = Kind == kQ4_0 ? _mm256_set1_epi32(-8 * a.sum[k]) : _mm256_setzero_si256();
-        for (int j = 0; j < 8; ++j)
-          dot = DotUS(dot, wv[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 8 * j)));
+        for (int j = 0; j < 8; ++j) {
+          const __m256i xv = _mm256_broadcastd_epi32(_mm_loadu_si32(xb + 4 * j));
+          if constexpr (Kind == kQ8_0)  // (the signs reloaded from the block: no registers left for them)
+            dot = DotUS(dot, wv[j], _mm256_sign_epi8(xv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                                              blk + 16 + 32 * j))));
+          else
+            dot = DotUS(dot, wv[j], xv);
+        }
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[k])), acc[r]);
         if constexpr (Kind == kQ4_1) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.s[k]), acc[r]);
       }
@@ -291,7 +302,7 @@ void PassX8(const Activations& a, int64_t r0, const uint8_t* w, float* y, int64_
         const uint8_t* qs = blk + (Kind == kQ4_1 ? 32 : 16);
         for (int i = 0; i < 32; ++i) {
           const uint8_t byte = qs[32 * (i / 8) + 4 * j + i % 4];
-          wq[i] = (i % 8) < 4 ? byte & 0x0f : byte >> 4;
+          wq[i] = Kind == kQ8_0 ? int8_t(blk[16 + 32 * (i / 4) + 4 * j + i % 4]) : (i % 8) < 4 ? byte & 0x0f : byte >> 4;
         }
         for (int r = 0; r < NR; ++r) {
           const int64_t k = (r0 + r) * nb + b;
@@ -337,6 +348,7 @@ void AllRows(int kind, const Activations& a, int64_t rows, const uint8_t* w, flo
     // interleaved: o0, o1 count groups of 8 rows
     if (kind == kQ4_0 + kX8) RowsX8<kQ4_0>(nr, a, r, w, y, in, out, o0, o1);
     if (kind == kQ4_1 + kX8) RowsX8<kQ4_1>(nr, a, r, w, y, in, out, o0, o1);
+    if (kind == kQ8_0 + kX8) RowsX8<kQ8_0>(nr, a, r, w, y, in, out, o0, o1);
   }
 }
 
