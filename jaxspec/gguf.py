@@ -5,14 +5,15 @@ a float16 minimum): 18, 20 and 34 bytes per block, 4.5, 5 and 8.5 bits per weigh
 each Linear whose GGUF tensor has one of these types keeps it as uint8 rows [O, I / 32 * block
 bytes] (row o: weight row o, as the file stores it; models/params.py `load_gguf_blocks`), and so
 does a block-quantized token embedding [V, H / 32 * block bytes]. Nothing is converted to float32:
-a 98 MB Q4_1 SmolLM2 stays about 98 MB instead of 540 MB.
+a 98 MB Q4_1 SmolLM2 stays about 98 MB instead of 540 MB. Tensors whose rows are a multiple of 8
+are reordered at load so that 8 rows' blocks sit side by side (`interleave`, kind + "x8": the same
+bytes), the layout the kernel multiplies fastest.
 
 Products run in the native kernel (jaxspec/native/gguf_matmul.cc): activations quantized per
 block of 32 to int8 with a float16 scale, as llama.cpp does for these formats, exact integer sums
 per block, every weight block read once for up to 8 rows. A token's result does not depend on the
-other rows of the call, so speculation stays lossless against this target. Embedding rows are read
-by `dequantize` (the rows asked for only). F32 / F16 tensors (norms; some files' output heads) are
-read as float32 and run as usual.
+other rows of the call. Embedding rows are read back by `rows` (the rows asked for only). F32 / F16
+tensors (norms; some files' output heads) are read as float32 and run as usual.
 
 CPU only: the kernel is XLA:CPU code, and other platforms get a clear error when the model loads.
 """
