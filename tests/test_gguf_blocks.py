@@ -105,7 +105,8 @@ def write_gguf(hf_model, path: str, kinds: dict[str, str]) -> str:
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     permute = lambda w, n: w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
     sd = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
-    wr = GGUFWriter(path, "llama")
+    arch = hf_model.config.model_type  # llama or qwen2 (whose q/k rows llama.cpp leaves in place)
+    wr = GGUFWriter(path, arch)
     wr.add_block_count(cfg.num_hidden_layers)
     wr.add_context_length(cfg.max_position_embeddings)
     wr.add_embedding_length(cfg.hidden_size)
@@ -141,8 +142,11 @@ def write_gguf(hf_model, path: str, kinds: dict[str, str]) -> str:
     for i in range(cfg.num_hidden_layers):
         for hf, part in hf_parts.items():
             w = sd[f"model.layers.{i}.{hf}.weight"]
-            w = permute(w, heads) if part == "attn_q" else permute(w, kv_heads) if part == "attn_k" else w
+            if arch == "llama":
+                w = permute(w, heads) if part == "attn_q" else permute(w, kv_heads) if part == "attn_k" else w
             add(f"blk.{i}.{part}.weight", part, w)
+            if f"model.layers.{i}.{hf}.bias" in sd:
+                wr.add_tensor(f"blk.{i}.{part}.bias", sd[f"model.layers.{i}.{hf}.bias"].astype(np.float32))
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()
@@ -159,8 +163,10 @@ def files(tmp_path_factory):
     hf = make_hf_model("llama", 3, vocab_size=V, num_hidden_layers=3, initializer_range=0.3, tie_word_embeddings=True)
     mixed = {"token_embd": "Q8_0", "attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q4_1", "ffn_down": "Q4_0"}
     untied = make_hf_model("llama", 4, vocab_size=V, num_hidden_layers=2, tie_word_embeddings=False)
+    qwen2 = make_hf_model("qwen2", 5, vocab_size=V, num_hidden_layers=2)
     return {
         "hf": hf,
+        "qwen2": write_gguf(qwen2, str(d / "tiny-qwen2.gguf"), {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0"}),
         "untied": write_gguf(untied, str(d / "tiny-untied.gguf"), {"output": "Q4_0", "ffn_gate": "Q4_1"}),
         "mixed": write_gguf(hf, str(d / "tiny-mixed.gguf"), mixed),
         "q4_1": write_gguf(
@@ -237,6 +243,17 @@ def test_an_untied_head_in_blocks(files):
     one = dict(GREEDY, max_new_tokens=1)
     a = q.generate(input_ids=PROMPTS, sampling_params=one, return_logprob=True)
     b = ref.generate(input_ids=PROMPTS, sampling_params=one, return_logprob=True)
+    assert sum(x["output_ids"] == y["output_ids"] for x, y in zip(a, b)) >= 3
+
+
+def test_qwen2_with_biases(files):
+    """A qwen2 file (q/k/v biases read as float32 beside Q4_0 blocks, rows as the file stores them)."""
+    q = engine(files["qwen2"], quantization="gguf", speculative_algorithm="NONE")
+    assert q.params["layers"][0]["self_attn"]["qkv_proj"]["bias"][...].dtype == jnp.float32
+    ref = engine(files["qwen2"], speculative_algorithm="NONE")
+    one = dict(GREEDY, max_new_tokens=1)
+    a = q.generate(input_ids=PROMPTS, sampling_params=one)
+    b = ref.generate(input_ids=PROMPTS, sampling_params=one)
     assert sum(x["output_ids"] == y["output_ids"] for x, y in zip(a, b)) >= 3
 
 
