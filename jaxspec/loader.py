@@ -8,6 +8,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from jaxspec import gguf, native
 from jaxspec.config import ModelConfig
 from jaxspec.convert.source import hf_tokenizer
 from jaxspec.convert.sources import checkpoint_quantization, open_source
@@ -83,8 +84,6 @@ def load(
 def check_gguf(src, dtype, mesh) -> None:
     """What --quantization gguf needs, checked before any weight loads: a GGUF file whose tensors
     are all of the types the kernel multiplies (or float), float32, one CPU device, the kernel built."""
-    from jaxspec import gguf, native
-
     if src.kind != "gguf":
         raise JaxspecError(
             f"--quantization gguf keeps a GGUF file's weight blocks as stored; {src.path} is not a GGUF file "

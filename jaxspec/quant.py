@@ -35,6 +35,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxspec import native
 from jaxspec.errors import JaxspecError
 from jaxspec.models.llama import Linear, LlamaForCausalLM
 
@@ -84,8 +85,6 @@ def draft_quantization(target: str | None, draft: str | None) -> str | None:
     if draft:
         return draft
     if target == "gguf":
-        from jaxspec import native
-
         return "w8a8_int8" if native.available() else None
     return target
 

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jaxspec import gguf
 from jaxspec.config import ModelConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.models.llama import Linear, LlamaForCausalLM
@@ -65,9 +66,7 @@ def load_gguf_blocks(cfg: ModelConfig, src, progress: bool = True, desc: str = "
     bytes] with `gguf` set to its type, and a block-quantized token embedding stays so (embed_kind);
     with out a multiple of 8, in the kernel's interleaved layout (type + "x8", the same bytes).
     F32 / F16 tensors are read as float32. Nothing passes through a float32 copy of the blocks.
-    The caller checked the types (loader.check_gguf_types)."""
-    from jaxspec import gguf
-
+    The caller checked the types (loader.check_gguf)."""
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, jnp.float32, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     names, leaves, kinds, missing = set(src.names), [], {}, []

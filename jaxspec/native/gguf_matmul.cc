@@ -13,6 +13,8 @@
 //   Q4_0: d dx (sum q q_x - 8 sum q_x)   Q4_1: d dx sum q q_x + m s   Q8_0: d dx sum q q_x
 // Each weight row is read once for up to 8 rows of x (a decoding step, a verification tree); a row's
 // result does not depend on how many rows share the call (same operations in the same order).
+// Weights come in the file's layout or interleaved 8 rows side by side (see GroupBytes), and each
+// call's weight rows are split over a small pool of threads (Pool).
 // Three code paths, chosen at compile time for the machine (-march=native): AVX-512 VNNI
 // (vpdpbusd on 256-bit vectors, unsigned bytes times signed bytes into int32), AVX2 (vpmaddubsw then
 // vpmaddwd), otherwise a plain loop.
@@ -124,6 +126,20 @@ struct Activations {
   }
 };
 
+// The plain loops' block: weights wq[32] (q, before Q4_0's -8) with scale dw and minimum m, times
+// block b of rows r0 .. r0 + NR, added to acc.
+template <int Kind, int NR>
+void AddBlock(const Activations& a, int64_t r0, int64_t nb, int64_t b, const int* wq, float dw, float m, float* acc) {
+  for (int r = 0; r < NR; ++r) {
+    const int64_t k = (r0 + r) * nb + b;
+    const int8_t* xq = a.q.data() + k * 32;
+    int32_t dot = Kind == kQ4_0 ? -8 * a.sum[k] : 0;
+    for (int i = 0; i < 32; ++i) dot += wq[i] * int32_t(xq[i]);
+    acc[r] += float(dot) * (dw * a.d[k]);
+    if (Kind == kQ4_1) acc[r] += m * a.s[k];
+  }
+}
+
 #if defined(__AVX2__)
 // acc + lanes whose sum is sum_i u[i] * s[i] (u: unsigned bytes, s: signed bytes; with AVX2 the
 // pairwise int16 sums must not saturate: |u| <= 127 or |s| small enough, true for every use here).
@@ -218,14 +234,7 @@ void Pass(const Activations& a, int64_t r0, const uint8_t* w, float* y, int64_t 
         const uint8_t* qs = blk + (Kind == kQ4_1 ? 4 : 2);
         for (int i = 0; i < 16; ++i) wq[i] = qs[i] & 0x0f, wq[i + 16] = qs[i] >> 4;
       }
-      for (int r = 0; r < NR; ++r) {
-        const int64_t k = (r0 + r) * nb + b;
-        const int8_t* xq = a.q.data() + k * 32;
-        int32_t dot = Kind == kQ4_0 ? -8 * a.sum[k] : 0;
-        for (int i = 0; i < 32; ++i) dot += wq[i] * int32_t(xq[i]);
-        acc[r] += float(dot) * (dw * a.d[k]);
-        if (Kind == kQ4_1) acc[r] += m * a.s[k];
-      }
+      AddBlock<Kind, NR>(a, r0, nb, b, wq, dw, m, acc);
     }
     for (int r = 0; r < NR; ++r) y[(r0 + r) * out + o] = acc[r];
   }
@@ -304,14 +313,7 @@ void PassX8(const Activations& a, int64_t r0, const uint8_t* w, float* y, int64_
           const uint8_t byte = qs[32 * (i / 8) + 4 * j + i % 4];
           wq[i] = Kind == kQ8_0 ? int8_t(blk[16 + 32 * (i / 4) + 4 * j + i % 4]) : (i % 8) < 4 ? byte & 0x0f : byte >> 4;
         }
-        for (int r = 0; r < NR; ++r) {
-          const int64_t k = (r0 + r) * nb + b;
-          const int8_t* xq = a.q.data() + k * 32;
-          int32_t dot = Kind == kQ4_0 ? -8 * a.sum[k] : 0;
-          for (int i = 0; i < 32; ++i) dot += wq[i] * int32_t(xq[i]);
-          acc[r] += float(dot) * (dw * a.d[k]);
-          if (Kind == kQ4_1) acc[r] += m * a.s[k];
-        }
+        AddBlock<Kind, NR>(a, r0, nb, b, wq, dw, m, acc);
       }
       for (int r = 0; r < NR; ++r) y[(r0 + r) * out + 8 * g + j] = acc[r];
     }
@@ -319,22 +321,18 @@ void PassX8(const Activations& a, int64_t r0, const uint8_t* w, float* y, int64_
 }
 #endif
 
-template <int Kind, int NR = kMaxRows>
-void RowsX8(int nr, const Activations& a, int64_t r0, const uint8_t* w, float* y, int64_t in, int64_t out, int64_t g0,
-            int64_t g1) {
-  if constexpr (NR > 1) {
-    if (nr < NR) return RowsX8<Kind, NR - 1>(nr, a, r0, w, y, in, out, g0, g1);
-  }
-  PassX8<Kind, NR>(a, r0, w, y, in, out, g0, g1);
-}
-
-template <int Kind, int NR = kMaxRows>
+// nr (<= kMaxRows) rows from r0 through the pass compiled for exactly that many (X8: the
+// interleaved layout, [o0, o1) counting groups of 8 weight rows).
+template <int Kind, bool X8, int NR = kMaxRows>
 void Rows(int nr, const Activations& a, int64_t r0, const uint8_t* w, float* y, int64_t in, int64_t out, int64_t o0,
           int64_t o1) {
   if constexpr (NR > 1) {
-    if (nr < NR) return Rows<Kind, NR - 1>(nr, a, r0, w, y, in, out, o0, o1);
+    if (nr < NR) return Rows<Kind, X8, NR - 1>(nr, a, r0, w, y, in, out, o0, o1);
   }
-  Pass<Kind, NR>(a, r0, w, y, in, out, o0, o1);
+  if constexpr (X8)
+    PassX8<Kind, NR>(a, r0, w, y, in, out, o0, o1);
+  else
+    Pass<Kind, NR>(a, r0, w, y, in, out, o0, o1);
 }
 
 // Every row of y for weight rows [o0, o1), kMaxRows rows of x per pass over those weights.
@@ -342,13 +340,12 @@ void AllRows(int kind, const Activations& a, int64_t rows, const uint8_t* w, flo
              int64_t o0, int64_t o1) {
   for (int64_t r = 0; r < rows; r += kMaxRows) {
     const int nr = int(rows - r < kMaxRows ? rows - r : kMaxRows);
-    if (kind == kQ4_0) Rows<kQ4_0>(nr, a, r, w, y, in, out, o0, o1);
-    if (kind == kQ4_1) Rows<kQ4_1>(nr, a, r, w, y, in, out, o0, o1);
-    if (kind == kQ8_0) Rows<kQ8_0>(nr, a, r, w, y, in, out, o0, o1);
-    // interleaved: o0, o1 count groups of 8 rows
-    if (kind == kQ4_0 + kX8) RowsX8<kQ4_0>(nr, a, r, w, y, in, out, o0, o1);
-    if (kind == kQ4_1 + kX8) RowsX8<kQ4_1>(nr, a, r, w, y, in, out, o0, o1);
-    if (kind == kQ8_0 + kX8) RowsX8<kQ8_0>(nr, a, r, w, y, in, out, o0, o1);
+    if (kind == kQ4_0) Rows<kQ4_0, false>(nr, a, r, w, y, in, out, o0, o1);
+    if (kind == kQ4_1) Rows<kQ4_1, false>(nr, a, r, w, y, in, out, o0, o1);
+    if (kind == kQ8_0) Rows<kQ8_0, false>(nr, a, r, w, y, in, out, o0, o1);
+    if (kind == kQ4_0 + kX8) Rows<kQ4_0, true>(nr, a, r, w, y, in, out, o0, o1);
+    if (kind == kQ4_1 + kX8) Rows<kQ4_1, true>(nr, a, r, w, y, in, out, o0, o1);
+    if (kind == kQ8_0 + kX8) Rows<kQ8_0, true>(nr, a, r, w, y, in, out, o0, o1);
   }
 }
 
@@ -446,7 +443,7 @@ ffi::Error GgufMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::
   float* yp = y->typed_data();
   const uint8_t* wp = w.typed_data();
   Pool& pool = Pool::Get();
-  // a share per thread, in whole multiples of 16 weight rows, none for tiny products
+  // a share per thread (whole multiples of 16 weight rows, or of 2 groups of 8), none for tiny products
   const int64_t work = rows * out * in;
   const int parts = work < (int64_t{1} << 18) ? 1 : pool.size();
   const int64_t align = x8 ? 2 : 16;  // weight rows, or groups of 8 of them, per share: a multiple of this
