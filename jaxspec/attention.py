@@ -11,7 +11,12 @@ draft-tree tokens so far — never a dense [B, N, S] mask.
 
 Backends:
   "xla"     the pure-jnp reference (`jaxspec.pallas_kernels.tree_attention.tree_attention_reference`); any
-            shape; the CPU default and the fallback.
+            shape; the CPU default and the fallback. On a CPU, calls of at most NATIVE_ROWS rows per slot
+            over a float32 cache (decoding steps, verification trees, draft steps) run the native
+            kernel instead (`jaxspec.native.attention`, built on first use; JAXSPEC_NATIVE_KERNELS=0
+            keeps the reference): a row's output there is bitwise the same whatever the buffer's
+            length and the other rows of the call, so a verification pass computes a token's logits
+            exactly as the plain decoding step does, and it reads only the columns a row sees.
   "pallas"  the Pallas GPU kernels: `decode_attention` for one causal query per slot, `tree_attention`
             for everything else (verification trees, draft beams, prefill chunks). Off the GPU they
             run in Pallas interpret mode (slow; for tests). Shapes the kernels do not handle (head_dim
@@ -44,10 +49,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxspec import native
 from jaxspec.pallas_kernels import decode_attention as _decode
 from jaxspec.pallas_kernels import tree_attention as _tree
 
 BACKENDS = ("xla", "pallas")
+NATIVE_ROWS = 64  # rows per slot up to which the xla backend runs the native kernel on a CPU
 MODES = ("prefill", "decode")
 attention_reference = _tree.tree_attention_reference
 logger = logging.getLogger(__name__)
@@ -132,7 +139,25 @@ def attention(
         _warn_fallback(reason)
     elif backend != "xla":
         raise ValueError(f"unknown attention backend {backend!r}; available: {', '.join(BACKENDS)}")
+    elif native_rows(q, k, kv_sharding):
+        return native.attention(q, k, v, prefix_len, offset, local_mask, sliding_window).astype(q.dtype)
     return attention_reference(q, k, v, prefix_len, local_mask, offset=offset, sliding_window=sliding_window)
+
+
+def native_rows(q, k, kv_sharding=None) -> bool:
+    """Whether the xla backend runs these rows through the native CPU kernel: a float32 cache on
+    one device, at most NATIVE_ROWS rows per slot, and the kernel built (on a CPU, not disabled)."""
+    if kv_sharding is not None or q.shape[1] > NATIVE_ROWS or k.dtype != jnp.float32 or q.dtype != jnp.float32:
+        return False
+    why = native.attention_unavailable()
+    if why is not None and native.enabled():
+        _warn_native(why)
+    return why is None
+
+
+@functools.cache
+def _warn_native(reason: str):
+    logger.warning("native attention kernel unavailable (%s); attention runs in XLA", reason)
 
 
 def _pallas(q, k, v, prefix_len, offset, local_mask=None, *, sliding_window):

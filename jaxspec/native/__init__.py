@@ -47,6 +47,8 @@ SOURCE = os.path.join(os.path.dirname(__file__), "int8_matmul.cc")
 TARGET = "jaxspec_int8_matmul"
 GGUF_SOURCE = os.path.join(os.path.dirname(__file__), "gguf_matmul.cc")
 GGUF_TARGET = "jaxspec_gguf_matmul"
+ATTENTION_SOURCE = os.path.join(os.path.dirname(__file__), "attention.cc")
+ATTENTION_TARGET = "jaxspec_attention"
 # GGML type ids of the block formats gguf_matmul multiplies, and each block's bytes (32 weights)
 GGUF_BLOCKS = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 # their interleaved layouts (8 weight rows side by side, jaxspec/gguf.py `interleave`): id, bytes per
@@ -135,6 +137,12 @@ def gguf_unavailable() -> str | None:
     return _load(GGUF_SOURCE, "JaxspecGgufMatmul", GGUF_TARGET)
 
 
+@functools.cache
+def attention_unavailable() -> str | None:
+    """None when the attention kernel (attention.cc) is ready on XLA:CPU, else why not."""
+    return _load(ATTENTION_SOURCE, "JaxspecAttention", ATTENTION_TARGET)
+
+
 def int8_matmul(xq, w):
     """xq [R, I] int8 times an out-major int8 weight w [O, I] -> [R, O] int32 (exact), on one thread.
     (Two calls over halves of the columns ran no faster: XLA:CPU did not run them at once.)"""
@@ -152,4 +160,25 @@ def gguf_matmul(x, w, kind: str):
     kind_id, out = (GGUF_X8[kind][0], 8 * w.shape[0]) if kind in GGUF_X8 else (GGUF_BLOCKS[kind][0], w.shape[0])
     return jax.ffi.ffi_call(GGUF_TARGET, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32))(
         x, w, kind=np.int32(kind_id)
+    )
+
+
+def attention(q, k, v, kv_len, offset, local_mask, sliding_window: int | None):
+    """Attention over a per-slot float32 KV cache, a row's output bitwise independent of the buffer's
+    length and of the other rows (attention.cc). q: [B, T, H, D]; k, v: [B, S, Hkv, D]; kv_len: [B]
+    int32; offset: int32 scalar; local_mask: [B, T, W] bool, or None for causal rows. Returns
+    [B, T, H, D] float32. The visibility rules are jaxspec/attention.py's."""
+    why = attention_unavailable()
+    if why is not None:
+        raise JaxspecError(f"the native attention kernel is unavailable: {why}")
+    b, t = q.shape[:2]
+    mask = jnp.zeros((b, t, 0), jnp.uint8) if local_mask is None else local_mask.astype(jnp.uint8)
+    return jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q.astype(jnp.float32),
+        k,
+        v,
+        kv_len.astype(jnp.int32),
+        jnp.asarray(offset, jnp.int32),
+        mask,
+        window=np.int32(sliding_window or 0),
     )

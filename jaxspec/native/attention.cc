@@ -1,0 +1,156 @@
+// Attention for a few query rows per slot on XLA:CPU through XLA's FFI (jaxspec/native/__init__.py),
+// with results that depend on nothing but the row's own query and the keys and values it sees.
+//
+//   out[b, t, h] = sum_c softmax_c(q[b, t, h] . k[b, c, h / G] * scale) v[b, c, h / G]
+//   q: [B, T, H, D], k and v: [B, S, Hkv, D] float32 (G = H / Hkv), kv_len: [B] int32,
+//   offset: [] int32, mask: [B, T, W] uint8 (W = 0: causal), out: [B, T, H, D] float32
+//
+// Which columns c a row sees (as jaxspec/attention.py states them): with rel = c - kv_len[b],
+//   rel < 0 (the committed prefix), or the local region: rel <= offset + t when causal (W = 0),
+//   else 0 <= rel < W and mask[b, t, rel]; with a sliding window, only c > kv_len + offset + t - window.
+//
+// Why a kernel: XLA:CPU's reductions, dots and exponentials round differently with the shapes
+// around them (the buffer's length, the other rows of the call, how a fusion vectorises), so a
+// token's logits in a verification pass could differ in the last bit from the plain decoding step's,
+// and where activations are then rounded to integers (GGUF, w8a8) such a bit can flip a near tie.
+// Here a row's visible columns are listed in order, and every sum runs over that list in the same
+// steps, whatever the buffer's length S, the row count T, the other rows or the thread: plain
+// decoding and speculative verification see the same list for the same token (its prefix, then its
+// ancestors in order) and compute bitwise the same output. The exponential is one fixed
+// polynomial (Exp8), run on groups of 8 scores, the last group padded.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// exp(x) for 8 values, x <= 0 (scores minus the row's max), by the same operations on every path:
+// x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial, 2^n from the exponent bits.
+// Below -87.3 the result is 0 (as float32's exp underflows there, near enough for weights).
+inline void Exp8(const float* x, float* y) {
+  for (int i = 0; i < 8; ++i) {
+    const float v = std::max(x[i], -87.3f);
+    const float n = std::nearbyint(v * 1.44269504088896341f);
+    const float r = (v - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = (int32_t(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    y[i] = x[i] < -87.3f ? 0.0f : p * scale;
+  }
+}
+
+// q . k over D, in 8 running sums (lane i takes d = i, i + 8, ...) added in a fixed order.
+inline float Dot(const float* q, const float* k, int d) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= d; i += 8)
+    for (int j = 0; j < 8; ++j) lane[j] += q[i + j] * k[i + j];
+  for (int j = 0; i < d; ++i, ++j) lane[j] += q[i] * k[i];
+  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+struct Shape {
+  int64_t b, t, h, d, s, hkv, w;
+  int32_t window;
+  float scale;
+};
+
+// One (slot, row, KV head): the row's visible columns listed once, then for each of the G query
+// heads on that KV head their scores, their weights and the weighted sum of the values.
+void Row(const Shape& sh, const float* q, const float* k, const float* v, const int32_t* kv_len, int32_t offset,
+         const uint8_t* mask, float* out, int64_t bi, int64_t ti, int64_t kh, std::vector<int32_t>& cols,
+         std::vector<float>& score) {
+  const int64_t len = kv_len[bi], d = sh.d, g = sh.h / sh.hkv;
+  cols.clear();
+  for (int64_t c = 0; c < sh.s; ++c) {
+    const int64_t rel = c - len;
+    bool vis;
+    if (rel < 0)
+      vis = true;
+    else if (sh.w == 0)
+      vis = rel <= offset + ti;
+    else
+      vis = rel < sh.w && mask[(bi * sh.t + ti) * sh.w + rel] != 0;
+    if (vis && sh.window > 0) vis = c > len + offset + ti - sh.window;
+    if (vis) cols.push_back(int32_t(c));
+  }
+  const int64_t n = int64_t(cols.size()), padded = (n + 7) / 8 * 8;
+  score.resize(padded);
+  for (int64_t hi = kh * g; hi < (kh + 1) * g; ++hi) {
+    float* o = out + ((bi * sh.t + ti) * sh.h + hi) * d;
+    std::fill(o, o + d, 0.0f);
+    if (n == 0) continue;
+    const float* qr = q + ((bi * sh.t + ti) * sh.h + hi) * d;
+    float top = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) {
+      score[i] = Dot(qr, k + ((bi * sh.s + cols[i]) * sh.hkv + kh) * d, int(d)) * sh.scale;
+      top = std::max(top, score[i]);
+    }
+    for (int64_t i = 0; i < padded; ++i) score[i] = i < n ? score[i] - top : -INFINITY;
+    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < padded; i += 8) {
+      Exp8(&score[i], &score[i]);
+      for (int j = 0; j < 8; ++j) lane[j] += score[i + j];
+    }
+    const float l = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    for (int64_t i = 0; i < n; ++i) {
+      const float p = score[i];
+      const float* vr = v + ((bi * sh.s + cols[i]) * sh.hkv + kh) * d;
+      for (int64_t j = 0; j < d; ++j) o[j] += p * vr[j];
+    }
+    const float inv = 1.0f / l;
+    for (int64_t j = 0; j < d; ++j) o[j] *= inv;
+  }
+}
+
+ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                         ffi::Buffer<ffi::S32> kv_len, ffi::Buffer<ffi::S32> offset, ffi::Buffer<ffi::U8> mask,
+                         ffi::ResultBuffer<ffi::F32> out, int32_t window) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || !std::equal(kd.begin(), kd.end(), vd.begin()) ||
+      kd[0] != qd[0] || kd[3] != qd[3] ||
+      kd[2] == 0 || qd[2] % kd[2] != 0 || kv_len.element_count() != qd[0] || offset.element_count() != 1 ||
+      md.size() != 3 || (md[2] != 0 && (md[0] != qd[0] || md[1] != qd[1])))
+    return ffi::Error::InvalidArgument(
+        "attention: q must be [B, T, H, D], k and v [B, S, Hkv, D] (Hkv dividing H), kv_len [B], offset [], "
+        "mask [B, T, W] or [.., .., 0]");
+  Shape sh{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], md[2], window, 1.0f / std::sqrt(float(qd[3]))};
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  const int32_t* lp = kv_len.typed_data();
+  const int32_t off = offset.typed_data()[0];
+  const uint8_t* mp = mask.typed_data();
+  float* op = out->typed_data();
+  // on the calling thread: at a few rows the work is tens of microseconds a layer, less than waking
+  // other threads would cost, and XLA's own threads stay free for the products around it
+  std::vector<int32_t> cols;
+  std::vector<float> score;
+  for (int64_t i = 0; i < sh.b * sh.t * sh.hkv; ++i)  // item i = (slot, row, KV head)
+    Row(sh, qp, kp, vp, lp, off, mp, op, i / (sh.t * sh.hkv), i / sh.hkv % sh.t, i % sh.hkv, cols, score);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecAttention, AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("window"));
