@@ -214,6 +214,23 @@ class SpeculativeArgs:
         "speculation, from measured round cost and acceptance (unset: on for the shipped drafts at their shipped "
         "tree shape, off when --speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens are given)",
     )
+    speculative_online_train: bool = flag(
+        False,
+        "train the EAGLE-3 draft head on the requests it serves, in the background, and swap the new weights in "
+        "when held-back recent requests score a higher accept length (output unchanged: verification decides "
+        "every token)",
+    )
+    speculative_online_train_buffer: int = flag(512, "online training: finished requests kept (oldest dropped)")
+    speculative_online_train_lr: float = flag(1e-4, "online training: learning rate (AdamW)")
+    speculative_online_train_share: float = flag(
+        0.25, "online training: at most this share of wall time spent training"
+    )
+    speculative_online_train_swap_every: int = flag(
+        20, "online training: training steps between scoring the new weights against those in use"
+    )
+    speculative_online_train_save: str | None = flag(
+        None, "online training: write the head in use here (public EAGLE-3 layout) at every swap"
+    )
     speculative_ngram_min_match_window_size: int = flag(1, "NGRAM: shortest suffix match used")
     speculative_ngram_max_match_window_size: int = flag(12, "NGRAM: longest suffix match tried")
     speculative_ngram_min_bfs_breadth: int = flag(1, "NGRAM BFS: children per node for a longest-window match")

@@ -59,6 +59,7 @@ from jaxspec.sampling import GREEDY_EPS, SamplingParams, SamplingTensors, nth_sa
 from jaxspec.sharding import check_heads, kv_sharding, make_mesh, replicate
 from jaxspec.speculative.adaptive import Adaptive, shape_label
 from jaxspec.speculative.loop import spec_block, spec_prefill_chunk, spec_start
+from jaxspec.speculative.online import OnlineConfig, OnlineTrainer
 from jaxspec.speculative.proposers import Proposer
 from jaxspec.speculative.proposers.ngram import Corpus
 from jaxspec.weights import Models
@@ -173,6 +174,7 @@ class Engine:
             draft_layout = dataclasses.replace(
                 layout, quantization=draft_quantization(self.quantization, args.speculative_draft_model_quantization)
             )
+            self._draft_layout = draft_layout
             proposer, self.dparams = prepare_draft(
                 self.spec, _loaded, args.dtype, draft_layout, self.mesh, show_progress
             )
@@ -188,6 +190,27 @@ class Engine:
         if self.spec.algorithm == "NGRAM":
             self.reset_ngram_corpus()
         self._rng = np.random.default_rng(args.random_seed)
+        self.online: OnlineTrainer | None = None
+        if args.speculative_online_train:
+            if not self.spec.enabled:
+                raise JaxspecError("speculative_online_train needs a draft (--speculative-algorithm EAGLE3)")
+            self.online = OnlineTrainer(self, OnlineConfig.from_args(args))
+
+    def swap_draft(self, path: str) -> None:
+        """Replaces the draft's weights with the head at `path` (same architecture and draft vocabulary;
+        online training writes it). Dispatches after this call use the new weights; none recompiles."""
+        spec = dataclasses.replace(self.spec, draft_model_path=path)
+        proposer, dparams = prepare_draft(spec, self.loaded, self.args.dtype, self._draft_layout, self.mesh, False)
+        if str(jax.tree.structure(dparams)) != str(jax.tree.structure(self.dparams)):
+            raise JaxspecError(f"the head at {path} does not have the served draft's layout")
+        self.dparams = dparams
+
+    def save_draft(self, path: str) -> str:
+        """Writes the draft head in use (adapted by online training) to `path` in the public EAGLE-3
+        layout; a fresh engine loads it with speculative_draft_model_path. Returns the path."""
+        if self.online is None:
+            raise JaxspecError("save_draft needs speculative_online_train (the draft in use is its checkpoint)")
+        return self.online.save(path)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, **kwargs) -> Engine:
@@ -320,6 +343,9 @@ class Engine:
         n = self.max_running_requests
         for s in range(0, len(ids), n):
             out += self._run_batch(ids[s : s + n], params[s : s + n], spec_on, lp, grammars[s : s + n])
+        if self.online is not None:
+            for x, r in zip(ids, out):
+                self.online.observe(x, r["output_ids"])
         return out
 
     def grammar_of(self, p: SamplingParams) -> str | None:

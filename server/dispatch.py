@@ -268,6 +268,8 @@ class Dispatch(SchedulerState):
                 st.spec_plain_steps += plain
         if self.spec is not None and self.spec.algorithm == "NGRAM" and reason["type"] != "abort":
             self._ngram_add(r)
+        if self.eng.online is not None and reason["type"] != "abort":
+            self.eng.online.observe(r.ids, r.out_ids)  # online draft training learns from served traffic
         if reason["type"] != "abort" and r.decoding and r.slot not in self.busy:
             # its slot keeps the KV of all but the last two tokens: the last one's was never written,
             # and the draft's entry for the one before may not have been either

@@ -81,6 +81,24 @@ def prometheus_text(sched: Scheduler, model: str) -> str:
         ("num_queue_reqs", "gauge", "requests waiting for a slot", sched.queue_depth),
         ("max_running_requests", "gauge", "request slots", sched.slots),
     ]
+    online = sched.eng.online.stats() if sched.eng.online is not None else None
+    if online is not None:  # online draft training
+        rows += [
+            ("draft_version", "gauge", "draft weights swapped in by online training so far", online["draft_version"]),
+            ("online_train_steps_total", "counter", "online draft training steps", online["online_train_steps"]),
+            (
+                "online_train_failed_steps_total",
+                "counter",
+                "online training steps dropped (a loss not finite, an error); the weights stayed",
+                online["online_train_failed_steps"],
+            ),
+            (
+                "online_train_score",
+                "gauge",
+                "expected accept length of the draft in use on held-back recent requests (last scoring)",
+                online["online_train_score_in_use"] or 0.0,
+            ),
+        ]
     out = []
     for name, kind, help_, value in rows:
         out += [f"# HELP jaxspec:{name} {help_}", f"# TYPE jaxspec:{name} {kind}", f"jaxspec:{name}{label} {value}"]

@@ -11,6 +11,7 @@ import dataclasses
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
+from jaxspec.errors import JaxspecError
 from jaxspec.requests import input_logprobs, output_logprobs, with_token_text
 from jaxspec.sampling import nth_sample
 from jaxspec.server import protocol
@@ -106,6 +107,8 @@ async def server_info(request: Request):
         "memory_plan": dataclasses.asdict(sched.memory_plan),
         "memory": sched.memory_report(),
     }
+    if ctx.eng.online is not None:
+        internal |= ctx.eng.online.stats()
     return {
         **ctx.server_args,
         "served_model_name": ctx.served_model_name,
@@ -114,6 +117,7 @@ async def server_info(request: Request):
         "speculative_eagle_topk": spec.eagle_topk,
         "speculative_num_draft_tokens": spec.num_draft_tokens,
         "speculative_adaptive": spec.adaptive,
+        "draft_version": None if ctx.eng.online is None else ctx.eng.online.stats()["draft_version"],
         "context_length": sched.context_length,
         "max_running_requests": sched.slots,
         "num_continuous_decode_steps": sched.k,
@@ -148,6 +152,22 @@ async def flush_cache(request: Request):
 
 router.get("/flush_cache", operation_id="flush_cache_get")(flush_cache)
 router.post("/flush_cache", operation_id="flush_cache_post")(flush_cache)
+
+
+@router.post("/save_draft", openapi_extra=openapi_body("SaveDraftRequest"))
+async def save_draft(request: Request):
+    """Writes the draft head in use (adapted by --speculative-online-train) to a directory on the server,
+    in the public EAGLE-3 layout: the next start loads it with --speculative-draft-model-path."""
+    ctx = context(request)
+    body = await ctx.parse(request, protocol.SaveDraftRequest)
+    online = ctx.eng.online
+    if online is None:
+        raise JaxspecError("/save_draft needs --speculative-online-train (the draft in use is its checkpoint)")
+    try:
+        path = online.save(body.path)
+    except OSError as e:
+        raise JaxspecError(f"cannot write the draft to {body.path!r}: {e.strerror or e}") from None
+    return {"path": path, "draft_version": online.stats()["draft_version"]}
 
 
 @router.get("/metrics")

@@ -343,10 +343,16 @@ class GenerateRequest(_Body):
         return SamplingParams.from_dict({k: v for k, v in self.sampling_params.items() if k != "n"})
 
 
+class SaveDraftRequest(_Body):
+    """POST /save_draft: where to write the draft head in use (online training)."""
+
+    path: Annotated[str, Field(min_length=1, max_length=4096, description="a directory on the server")]
+
+
 def openapi_schemas() -> dict[str, dict]:
     """JSON schemas of the request bodies (and SamplingParams) for /openapi.json, keyed by name."""
     out: dict[str, dict] = {}
-    for model in (ChatCompletionRequest, CompletionRequest, GenerateRequest):
+    for model in (ChatCompletionRequest, CompletionRequest, GenerateRequest, SaveDraftRequest):
         s = model.model_json_schema(ref_template="#/components/schemas/{model}")
         out.update(s.pop("$defs", {}))
         out[model.__name__] = s

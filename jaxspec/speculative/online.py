@@ -1,0 +1,300 @@
+"""Online draft training: an EAGLE-3 head that learns from the traffic it serves
+(`speculative_online_train`, `--speculative-online-train`).
+
+Every finished request (its prompt and output token ids) goes into a bounded buffer; every
+HOLDOUT-th one is held back instead, for scoring. A background thread trains a copy of the head
+in use with `train-draft`'s update (jaxspec/train/trainer.py: the frozen target's features are
+computed for each batch, EAGLE-3's training-time-test loss) on batches drawn from the buffer. It
+spends at most `speculative_online_train_share` of the wall time training (it sleeps the rest), so
+serving keeps the other share. Every `speculative_online_train_swap_every` steps it scores the copy
+and the weights in use on the held-back slice by the accept length a chain of the tree's depth
+would get from their per-depth top-1 agreement with the target:
+    1 + a_0 + a_0 a_1 + ... + a_0 ... a_{k-1}.
+When the copy scores higher, it is written in the public EAGLE-3 layout and loaded like any draft,
+and the engine's draft weights are replaced between dispatches (`Engine.swap_draft`). The programs
+take the draft's weights as arguments of the same shapes, so nothing recompiles.
+
+Whatever the draft proposes, verification decides every token, so output is unchanged by
+construction: a swap can change only how many tokens a round accepts. A training step whose loss
+is not finite, or that raises (out of memory included), is logged, counted and dropped: the copy
+goes back to the weights in use, and serving goes on with them.
+
+Limits: EAGLE-3 heads, on a target served unquantized (its features must be the float ones the
+head was trained on), one process (not under tensor parallelism or several replicas).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import dataclasses
+import logging
+import math
+import os
+import tempfile
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.errors import JaxspecError
+
+logger = logging.getLogger(__name__)
+HOLDOUT = 5  # every HOLDOUT-th finished request is held back for scoring
+HOLDOUT_MAX = 64  # scoring uses the most recent this many held-back requests
+MIN_EXAMPLES = 16  # training starts once the buffer holds this many requests
+BATCH = 8  # requests per training step
+MAX_LEN = 512  # tokens per training sequence (longer requests are cut)
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineConfig:
+    buffer: int = 512  # requests kept for training (the oldest dropped first)
+    lr: float = 1e-4
+    share: float = 0.25  # at most this share of wall time spent training
+    swap_every: int = 20  # training steps between scores (and swaps)
+    save: str | None = None  # write the head here at every swap
+
+    @classmethod
+    def from_args(cls, args) -> OnlineConfig:
+        return cls(
+            buffer=args.speculative_online_train_buffer,
+            lr=args.speculative_online_train_lr,
+            share=args.speculative_online_train_share,
+            swap_every=args.speculative_online_train_swap_every,
+            save=args.speculative_online_train_save,
+        )
+
+
+def expected_accept(acc: list[float]) -> float:
+    """A chain's expected tokens per round from per-depth top-1 agreement (1 = the bonus token)."""
+    total, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        total += run
+    return total
+
+
+class OnlineTrainer:
+    """The buffer, the background training thread and the swap, for one engine."""
+
+    def __init__(self, engine, cfg: OnlineConfig):
+        spec = engine.spec
+        if spec.algorithm != "EAGLE3":
+            raise JaxspecError(
+                f"speculative_online_train trains EAGLE-3 heads; the draft here is {spec.algorithm} "
+                "(use --speculative-algorithm EAGLE3)"
+            )
+        if engine.quantization is not None or engine.tp_size > 1:
+            raise JaxspecError(
+                "speculative_online_train needs an unquantized target on one device (the head learns from the "
+                "target's float features)"
+            )
+        if not 0 < cfg.share <= 1 or cfg.buffer < MIN_EXAMPLES or cfg.swap_every < 1 or not cfg.lr > 0:
+            raise JaxspecError(
+                f"speculative_online_train: share must be in (0, 1], buffer >= {MIN_EXAMPLES}, swap_every >= 1 "
+                f"and lr > 0 (got {cfg.share}, {cfg.buffer}, {cfg.swap_every}, {cfg.lr})"
+            )
+        self.engine, self.cfg = engine, cfg
+        self.depth = max(2, min(spec.num_steps, 7))  # TTT depth = the chain's depth the score assumes
+        self.head_path = spec.draft_model_path  # the head in use, in the public layout
+        self.examples: collections.deque = collections.deque(maxlen=cfg.buffer)
+        self.held: collections.deque = collections.deque(maxlen=HOLDOUT_MAX)
+        self.lock = threading.Lock()
+        self.seen = 0
+        self.version = 0  # swaps so far: the head in use is version `version`
+        self.steps = 0
+        self.failed_steps = 0
+        self.scores: list[dict] = []  # each scoring: time, step, score of the weights in use and of the copy, swapped
+        self._trainer: Any = None
+        self._served: Any = None  # the weights in use, in the trainer's layout
+        self._rng = np.random.default_rng(0)
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._dir = tempfile.mkdtemp(prefix="jaxspec-online-")
+
+    # ---- traffic --------------------------------------------------------------------------------
+
+    def observe(self, prompt_ids: list[int], output_ids: list[int]) -> None:
+        """A finished request: into the training buffer or the held-back slice. Never blocks on training."""
+        from jaxspec.train.data import Example
+
+        ids = [int(t) for t in prompt_ids] + [int(t) for t in output_ids]
+        if not output_ids or len(ids) < 2:
+            return
+        ex = Example(ids[:MAX_LEN], ([0] * len(prompt_ids) + [1] * len(output_ids))[:MAX_LEN])
+        with self.lock:
+            self.seen += 1
+            (self.held if self.seen % HOLDOUT == 0 else self.examples).append(ex)
+            ready = len(self.examples) >= MIN_EXAMPLES and len(self.held) >= 2
+        if ready and self._thread is None and not self._stop.is_set():
+            self._thread = threading.Thread(target=self._run, name="jaxspec-online-train", daemon=True)
+            self._thread.start()
+            atexit.register(self.close)
+        self._wake.set()
+
+    def stats(self) -> dict:
+        """What /get_server_info and /metrics show."""
+        with self.lock:
+            last = self.scores[-1] if self.scores else None
+            return {
+                "draft_version": self.version,
+                "online_train_steps": self.steps,
+                "online_train_failed_steps": self.failed_steps,
+                "online_train_buffer": len(self.examples),
+                "online_train_held_out": len(self.held),
+                "online_train_score_in_use": None if last is None else last["in_use"],
+                "online_train_score_candidate": None if last is None else last["candidate"],
+            }
+
+    def close(self) -> None:
+        """Stops the training thread and waits for its step to end (a thread killed inside XLA at
+        interpreter exit aborts the process)."""
+        self._stop.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=120)
+
+    # ---- training -------------------------------------------------------------------------------
+
+    def _build(self):
+        from jaxspec.train.trainer import TrainConfig, Trainer
+
+        cfg = TrainConfig(
+            algorithm="EAGLE3", steps=10**9, batch_size=BATCH, max_len=MAX_LEN, lr=self.cfg.lr, warmup=0,
+            ttt_steps=self.depth, save_every=10**9,
+        )  # fmt: skip
+        with self.lock:
+            examples = list(self.examples)
+        tcfg = _head_config(self.head_path)
+        tr = Trainer(self.engine.loaded, tcfg, examples, cfg, self._dir, progress=False, init_head=self.head_path)
+        self._served = jax.tree.map(jnp.copy, tr.params)
+        return tr
+
+    def _run(self) -> None:
+        try:
+            self._trainer = self._build()
+        except Exception:
+            logger.exception("online draft training could not start; serving goes on with the draft as it is")
+            return
+        while not self._stop.is_set():
+            with self.lock:
+                n = len(self.examples)
+            if n < BATCH:
+                self._wake.wait(1.0)
+                self._wake.clear()
+                continue
+            t0 = time.monotonic()
+            self.train_steps(1)
+            if self.steps % self.cfg.swap_every == 0:
+                self.score_and_swap()
+            spent = time.monotonic() - t0
+            self._stop.wait(spent * (1 - self.cfg.share) / self.cfg.share)  # the serving share
+
+    def train_steps(self, n: int) -> None:
+        """n updates of the copy on batches drawn from the buffer (failures dropped and counted)."""
+        from jaxspec.train.data import pad_batch
+
+        tr = self._trainer or self._build()
+        self._trainer = tr
+        for _ in range(n):
+            with self.lock:
+                pool = list(self.examples)
+            batch = [pool[i] for i in self._rng.choice(len(pool), size=min(BATCH, len(pool)), replace=False)]
+            length = tr._padded_len(max(len(e.ids) for e in batch))
+            ids, mask = pad_batch(batch, length)
+            before = (tr.params, tr.opt_state)
+            backup = jax.tree.map(jnp.copy, before)  # the update donates its inputs
+            try:
+                params, opt, loss, _ = tr._update(
+                    tr.params, tr.opt_state, tr.rest, tr._tgt_params, jnp.asarray(ids), jnp.asarray(mask),
+                    jnp.float32(self.cfg.lr),
+                )  # fmt: skip
+                if not math.isfinite(float(loss)):
+                    raise FloatingPointError(f"loss {float(loss)}")
+                tr.params, tr.opt_state = params, opt
+                with self.lock:
+                    self.steps += 1
+            except Exception as e:  # NaN, out of memory: drop the step, keep the weights
+                tr.params, tr.opt_state = backup
+                with self.lock:
+                    self.failed_steps += 1
+                logger.warning("online draft training step dropped (%s); the weights stay as they were", e)
+
+    def score_and_swap(self) -> bool:
+        """Scores the copy and the weights in use on the held-back slice; swaps when the copy is better."""
+        tr = self._trainer
+        with self.lock:
+            held = list(self.held)
+        if tr is None or not held:
+            return False
+        candidate = tr.params
+        in_use, cand = self._scores(tr, held, (self._served, candidate))
+        swap = cand > in_use
+        if swap:
+            self._swap_in(candidate)
+        with self.lock:
+            self.scores.append(
+                {"time": time.time(), "step": self.steps, "in_use": in_use, "candidate": cand, "swapped": swap}
+            )
+        logger.info(
+            "online draft training: step %d, score in use %.3f, candidate %.3f%s",
+            self.steps, in_use, cand, " (swapped in)" if swap else "",
+        )  # fmt: skip
+        return swap
+
+    def _scores(self, tr, held: list, heads: tuple) -> list[float]:
+        """Each head's expected accept length on `held`: the target's features computed once per batch,
+        batches padded to their length bucket."""
+        from jaxspec.train.data import pad_batch
+
+        sums = [np.zeros(self.depth) for _ in heads]
+        batches = 0
+        for s in range(0, len(held), BATCH):
+            part = held[s : s + BATCH]
+            ids_np, mask_np = pad_batch(part, tr._padded_len(max(len(e.ids) for e in part)))
+            ids, mask = jnp.asarray(ids_np), jnp.asarray(mask_np)
+            feats, tlogits = tr._features(tr._tgt_params, ids)
+            for acc, params in zip(sums, heads):
+                _, m = tr._eval_loss(params, tr.rest, tr._tgt_params, ids, mask, feats, tlogits)
+                acc += [float(m[f"acc_{i}"]) for i in range(self.depth)]
+            batches += 1
+        return [float(expected_accept(list(acc / max(batches, 1)))) for acc in sums]
+
+    def _swap_in(self, params) -> None:
+        tr = self._trainer
+        path = os.path.join(self._dir, f"v{self.version + 1}")
+        os.makedirs(path, exist_ok=True)
+        tr.out = path
+        tr.params = params
+        tr.export("float32")
+        self.engine.swap_draft(path)
+        self._served = jax.tree.map(jnp.copy, params)
+        self.head_path = path
+        with self.lock:
+            self.version += 1
+        if self.cfg.save:
+            self.save(self.cfg.save)
+
+    def save(self, path: str) -> str:
+        """Writes the head in use (public EAGLE-3 layout) to `path`; returns it. A fresh engine loads
+        it with --speculative-draft-model-path."""
+        import shutil
+
+        os.makedirs(path, exist_ok=True)
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy(os.path.join(self.head_path, name), os.path.join(path, name))
+        return path
+
+
+def _head_config(path: str) -> dict:
+    """The served head's config.json: its target fields (sizes, RoPE, token ids) are the target's."""
+    import json
+
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)

@@ -1,0 +1,191 @@
+"""Online draft training (jaxspec/speculative/online.py) on a tiny learnable target: an untrained
+EAGLE-3 head adapts to the traffic it serves and is swapped in, output stays token-identical to
+plain decoding, a failed step is dropped, and the saved head reloads with what it learned."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from jaxspec.engine import Engine
+from jaxspec.errors import JaxspecError
+from jaxspec.loader import load
+
+from helpers import make_hf_model, save_eagle_head
+
+V = 64
+CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+GREEDY = dict(temperature=0, max_new_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    import torch
+
+    d = tmp_path_factory.mktemp("online_target")
+    hf = make_hf_model("llama", 7, vocab_size=V, num_hidden_layers=8, initializer_range=0.6)
+    with torch.no_grad():  # learnable: the next token depends on the current one (as in test_train_draft)
+        hf.model.norm.weight.mul_(6.0)
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    hf.save_pretrained(d)
+    head = save_eagle_head(tmp_path_factory.mktemp("online_head"), "EAGLE3", hf.config.to_dict(), draft_vocab=48)
+    return str(d), head
+
+
+def _engine(dirs, **kw):
+    target, head = dirs
+    return Engine(
+        target,
+        skip_tokenizer_init=True,
+        show_progress=False,
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=head,
+        **CHAIN,
+        **kw,
+    )
+
+
+def _accept(eng, prompts) -> float:
+    got = eng.generate(input_ids=prompts, sampling_params=GREEDY)
+    return float(np.mean([r["meta_info"]["spec_accept_length"] for r in got])), [r["output_ids"] for r in got]
+
+
+def test_the_head_adapts_and_output_does_not_change(dirs, tmp_path):
+    eng = _engine(
+        dirs,
+        speculative_online_train=True,
+        speculative_online_train_lr=1e-2,
+        speculative_online_train_share=1.0,
+        speculative_online_train_swap_every=10,
+    )
+    rng = np.random.default_rng(0)
+    probe = [list(rng.integers(0, V, 4)) for _ in range(6)]
+    before, out_before = _accept(eng, probe)
+    traffic = [list(rng.integers(0, V, 4)) for _ in range(160)]
+    eng.generate(
+        input_ids=traffic,
+        sampling_params=[dict(temperature=1.0, max_new_tokens=28, ignore_eos=True, seed=i) for i in range(160)],
+    )
+    deadline = time.monotonic() + 240
+    while eng.online.stats()["draft_version"] < 1 and time.monotonic() < deadline:
+        time.sleep(1)
+    stats = eng.online.stats()
+    assert stats["draft_version"] >= 1, stats
+    assert stats["online_train_score_candidate"] > stats["online_train_score_in_use"]
+    after, out_after = _accept(eng, probe)
+    plain = Engine(dirs[0], skip_tokenizer_init=True, show_progress=False, speculative_algorithm="NONE")
+    expect = [r["output_ids"] for r in plain.generate(input_ids=probe, sampling_params=GREEDY)]
+    assert out_before == expect and out_after == expect  # lossless before and after the swap
+    assert after > before + 0.3, (before, after)
+    eng.online.close()
+
+    saved = eng.save_draft(str(tmp_path / "adapted"))
+    fresh = Engine(
+        dirs[0],
+        skip_tokenizer_init=True,
+        show_progress=False,
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=saved,
+        **CHAIN,
+    )
+    again, out_again = _accept(fresh, probe)
+    assert out_again == expect and again > before + 0.3, (before, again)
+
+
+def test_a_failed_step_is_dropped(dirs, monkeypatch):
+    eng = _engine(dirs, speculative_online_train=True, speculative_online_train_share=1.0)
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        eng.online.observe(list(rng.integers(0, V, 4)), list(rng.integers(0, V, 20)))
+    eng.online.close()  # no background thread work: this test drives the steps itself
+    eng.online.train_steps(1)
+    tr = eng.online._trainer
+    good = np.asarray(tr.params["lm_head"]["kernel"][...]).copy()
+
+    def nan_update(params, opt_state, *rest):
+        import jax.numpy as jnp
+
+        return params, opt_state, jnp.float32(np.nan), {}
+
+    monkeypatch.setattr(tr, "_update", nan_update)
+    eng.online.train_steps(2)
+    assert eng.online.stats()["online_train_failed_steps"] == 2
+    assert np.array_equal(np.asarray(tr.params["lm_head"]["kernel"][...]), good)
+    assert eng.online.stats()["online_train_steps"] == 1
+
+
+def test_bad_settings_are_refused(dirs):
+    with pytest.raises(JaxspecError, match="EAGLE-3"):
+        Engine(
+            dirs[0], skip_tokenizer_init=True, show_progress=False, speculative_algorithm="NGRAM",
+            speculative_online_train=True,
+        )  # fmt: skip
+    with pytest.raises(JaxspecError, match="share"):
+        _engine(dirs, speculative_online_train=True, speculative_online_train_share=0)
+    with pytest.raises(JaxspecError, match="speculative_online_train"):
+        _engine(dirs).save_draft("/tmp/nowhere")
+    loaded = load(dirs[0], with_tokenizer=False, progress=False)
+    with pytest.raises(JaxspecError, match="unquantized"):
+        Engine(
+            _loaded=loaded, show_progress=False, quantization="int8", speculative_algorithm="EAGLE3",
+            speculative_draft_model_path=dirs[1], speculative_online_train=True, **CHAIN,
+        )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A tiny target with SmolLM2's tokenizer (the server loads one) and an EAGLE-3 head for it."""
+    from transformers import AutoTokenizer
+
+    from jaxspec.default_model import default_model_path
+
+    tok = AutoTokenizer.from_pretrained(default_model_path(progress=False))
+    d = tmp_path_factory.mktemp("online_served")
+    kw = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    hf = make_hf_model("llama", 5, num_hidden_layers=8, max_position_embeddings=512, **kw)
+    hf.save_pretrained(d)
+    tok.save_pretrained(d)
+    head = save_eagle_head(
+        tmp_path_factory.mktemp("online_served_head"), "EAGLE3", hf.config.to_dict(), draft_vocab=256
+    )
+    return str(d), head
+
+
+@pytest.mark.slow  # about a minute: a server start
+def test_the_server_shows_and_saves_the_head(served, tmp_path):
+    from helpers import start
+
+    dirs = served
+    srv = start(
+        {"target": dirs[0]},
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=dirs[1],
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+        speculative_online_train=True,
+        speculative_online_train_share=0.1,
+    )
+    try:
+        for i in range(6):
+            body = {"input_ids": [1 + i, 2, 3], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+            status, out, _ = srv.request("POST", "/generate", body)
+            assert status == 200, out
+        status, info, _ = srv.request("GET", "/get_server_info")
+        assert status == 200 and info["draft_version"] == 0
+        state = info["internal_states"][0]
+        assert state["online_train_buffer"] + state["online_train_held_out"] >= 6  # (and start-up's own requests)
+        status, text, _ = srv.request("GET", "/metrics")
+        assert "jaxspec:draft_version" in text and "jaxspec:online_train_steps_total" in text
+        status, out, _ = srv.request("POST", "/save_draft", {"path": str(tmp_path / "head")})
+        assert status == 200 and out["draft_version"] == 0, out
+        assert (tmp_path / "head" / "model.safetensors").exists() and (tmp_path / "head" / "config.json").exists()
+        status, out, _ = srv.request("POST", "/save_draft", {"path": "/proc/no/such/dir"})
+        assert status == 400, out
+        status, out, _ = srv.request("POST", "/save_draft", {})
+        assert status == 400, out
+    finally:
+        srv.stop()
