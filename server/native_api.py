@@ -1,7 +1,7 @@
 """SGLang's native routes: /generate (text or token ids in, text, ids and meta_info out, streamed
 or not), /health, /get_server_info (also /server_info), /get_model_info (also /model_info),
-/flush_cache and /metrics. SGLang's router reads /health, /server_info and /model_info of each
-worker it routes to."""
+/flush_cache and /metrics; and /save_draft (the head online draft training adapted). SGLang's
+router reads /health, /server_info and /model_info of each worker it routes to."""
 
 from __future__ import annotations
 

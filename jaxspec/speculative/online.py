@@ -31,6 +31,7 @@ import dataclasses
 import logging
 import math
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -275,7 +276,9 @@ class OnlineTrainer:
         tr.export("float32")
         self.engine.swap_draft(path)
         self._served = jax.tree.map(jnp.copy, params)
-        self.head_path = path
+        old, self.head_path = self.head_path, path
+        if os.path.dirname(old) == self._dir:  # an earlier swapped-in head: only the one in use is kept
+            shutil.rmtree(old, ignore_errors=True)
         with self.lock:
             self.version += 1
         if self.cfg.save:
@@ -284,8 +287,6 @@ class OnlineTrainer:
     def save(self, path: str) -> str:
         """Writes the head in use (public EAGLE-3 layout) to `path`; returns it. A fresh engine loads
         it with --speculative-draft-model-path."""
-        import shutil
-
         os.makedirs(path, exist_ok=True)
         for name in ("config.json", "model.safetensors"):
             shutil.copy(os.path.join(self.head_path, name), os.path.join(path, name))
