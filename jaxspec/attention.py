@@ -16,7 +16,8 @@ Backends:
             kernel instead (`jaxspec.native.attention`, built on first use; JAXSPEC_NATIVE_KERNELS=0
             keeps the reference): a row's output there is bitwise the same whatever the buffer's
             length and the other rows of the call, so a verification pass computes a token's logits
-            exactly as the plain decoding step does, and it reads only the columns a row sees.
+            exactly as the plain decoding step does, and it reads only the columns a row sees (so it
+            serves the "decode" mode below too).
   "pallas"  the Pallas GPU kernels: `decode_attention` for one causal query per slot, `tree_attention`
             for everything else (verification trees, draft beams, prefill chunks). Off the GPU they
             run in Pallas interpret mode (slow; for tests). Shapes the kernels do not handle (head_dim
@@ -123,13 +124,15 @@ def attention(
     backend: a BACKENDS name, optionally with a mode (`with_mode`); kv_sharding: the NamedSharding of
     k and v when they are split over devices (None: one device). Returns [B, T, H, D] in q.dtype."""
     backend, _, mode = backend.partition(":")
+    if mode not in ("", "prefill", "decode"):
+        raise ValueError(f"unknown attention mode {mode!r}; available: {', '.join(MODES)}")
+    if backend == "xla" and native_rows(q, k, kv_sharding):  # every mode: it reads only what a row sees
+        return native.attention(q, k, v, prefix_len, offset, local_mask, sliding_window).astype(q.dtype)
     if mode == "decode" and not (q.shape[1] == 1 and local_mask is None):
         reason = _split_unsupported(sliding_window, offset, local_mask)
         if reason is None:
             return split_attention(q, k, v, prefix_len, local_mask, offset, backend, kv_sharding)
         _warn_split(reason)
-    elif mode not in ("", "prefill", "decode"):
-        raise ValueError(f"unknown attention mode {mode!r}; available: {', '.join(MODES)}")
     if backend == "pallas":
         reason = _tree.supported(q, k)
         if reason is None:
@@ -139,8 +142,6 @@ def attention(
         _warn_fallback(reason)
     elif backend != "xla":
         raise ValueError(f"unknown attention backend {backend!r}; available: {', '.join(BACKENDS)}")
-    elif native_rows(q, k, kv_sharding):
-        return native.attention(q, k, v, prefix_len, offset, local_mask, sliding_window).astype(q.dtype)
     return attention_reference(q, k, v, prefix_len, local_mask, offset=offset, sliding_window=sliding_window)
 
 

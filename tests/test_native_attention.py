@@ -93,3 +93,6 @@ def test_the_xla_backend_takes_the_kernel_for_few_float32_rows():
     assert not attn.native_rows(jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16))
     out = attn.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray([3, 30]), backend="xla")
     assert np.array_equal(np.asarray(out), _native(q, k, v, [3, 30]))
+    mask = jnp.asarray(np.tril(np.ones((B, 2, 2), bool)))  # verification in decode mode: the same kernel
+    out = attn.attention(*map(jnp.asarray, (q, k, v)), jnp.asarray([3, 30]), mask, backend="xla:decode")
+    assert np.array_equal(np.asarray(out), _native(q, k, v, [3, 30], 0, mask))

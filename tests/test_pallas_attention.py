@@ -172,10 +172,14 @@ SPLIT_CASES = [
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 @pytest.mark.parametrize("n,group,dtype", SPLIT_CASES)
-def test_decode_mode_matches_the_one_pass_reference(backend, n, group, dtype):
+def test_decode_mode_matches_the_one_pass_reference(backend, n, group, dtype, monkeypatch):
     """--speculative-attention-mode decode: verification trees (empty prefix, ragged, ending at the
-    cache's last column) and causal extend blocks at an offset give the one-pass result."""
+    cache's last column) and causal extend blocks at an offset give the one-pass result (the split
+    path itself: on a CPU the xla backend's float32 rows otherwise go to the native kernel)."""
+    from jaxspec import attention as attn
     from jaxspec.attention import attention, with_mode
+
+    monkeypatch.setattr(attn, "NATIVE_ROWS", 0)
 
     b, hkv, d, s = 3, 2, 64, 256
     rng, q, k, v = _qkv(30 + n, b, n, hkv * group, hkv, d, s, dtype)
@@ -191,10 +195,14 @@ def test_decode_mode_matches_the_one_pass_reference(backend, n, group, dtype):
     )
 
 
-def test_decode_mode_leaves_what_it_does_not_split_to_the_one_path(caplog):
+def test_decode_mode_leaves_what_it_does_not_split_to_the_one_path(caplog, monkeypatch):
     """One causal row is plain decode already; a sliding window or a traced offset runs the one
-    pass (logged once); an unknown mode is an error."""
+    pass (logged once); an unknown mode is an error. (The split path itself: on a CPU the xla
+    backend's float32 rows otherwise go to the native kernel.)"""
+    from jaxspec import attention as attn
     from jaxspec.attention import attention, with_mode
+
+    monkeypatch.setattr(attn, "NATIVE_ROWS", 0)
 
     b, t, hkv, group, d, s = 2, 4, 1, 2, 16, 64
     _, q, k, v = _qkv(5, b, t, hkv * group, hkv, d, s, jnp.float32)

@@ -18,6 +18,11 @@ use it (XLA cannot partition a custom call).
 `--quantization gguf` (jaxspec/gguf.py): each block's 4- or 8-bit weights times the activations
 quantized per block of 32, as llama.cpp multiplies them (gguf_matmul.cc). Same build, same paths.
 
+`attention`, attention for a few query rows per slot over a float32 KV cache (attention.cc), which
+jaxspec/attention.py's xla backend uses on a CPU: a row's result depends only on the columns it
+sees, not on the buffer's length or the other rows, so verification and plain decoding agree bit
+for bit. Same build, same paths; without it attention stays in XLA (logged).
+
 The other: host_call.py, calls from a compiled program back into Python (constrained decoding's
 grammar masks) that, unlike jax.pure_callback, JAX's persistent compilation cache can keep.
 """

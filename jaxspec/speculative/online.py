@@ -109,14 +109,13 @@ class OnlineTrainer:
         self.version = 0  # swaps so far: the head in use is version `version`
         self.steps = 0
         self.failed_steps = 0
-        self.scores: list[dict] = []  # each scoring: time, step, score of the weights in use and of the copy, swapped
+        self.last_score: dict | None = None  # the last scoring: step, score in use, score of the copy, swapped
         self._trainer: Any = None
         self._served: Any = None  # the weights in use, in the trainer's layout
         self._rng = np.random.default_rng(0)
         self._stop = threading.Event()
-        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._dir = tempfile.mkdtemp(prefix="jaxspec-online-")
+        self._dir = ""  # where swapped-in heads are written (made with the trainer, removed at exit)
 
     # ---- traffic --------------------------------------------------------------------------------
 
@@ -136,12 +135,11 @@ class OnlineTrainer:
             self._thread = threading.Thread(target=self._run, name="jaxspec-online-train", daemon=True)
             self._thread.start()
             atexit.register(self.close)
-        self._wake.set()
 
     def stats(self) -> dict:
         """What /get_server_info and /metrics show."""
         with self.lock:
-            last = self.scores[-1] if self.scores else None
+            last = self.last_score
             return {
                 "draft_version": self.version,
                 "online_train_steps": self.steps,
@@ -156,7 +154,6 @@ class OnlineTrainer:
         """Stops the training thread and waits for its step to end (a thread killed inside XLA at
         interpreter exit aborts the process)."""
         self._stop.set()
-        self._wake.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=120)
@@ -173,6 +170,8 @@ class OnlineTrainer:
         with self.lock:
             examples = list(self.examples)
         tcfg = _head_config(self.head_path)
+        self._dir = tempfile.mkdtemp(prefix="jaxspec-online-")
+        atexit.register(shutil.rmtree, self._dir, True)
         tr = Trainer(self.engine.loaded, tcfg, examples, cfg, self._dir, progress=False, init_head=self.head_path)
         self._served = jax.tree.map(jnp.copy, tr.params)
         return tr
@@ -183,16 +182,12 @@ class OnlineTrainer:
         except Exception:
             logger.exception("online draft training could not start; serving goes on with the draft as it is")
             return
-        while not self._stop.is_set():
-            with self.lock:
-                n = len(self.examples)
-            if n < BATCH:
-                self._wake.wait(1.0)
-                self._wake.clear()
-                continue
+        scored = 0  # the step count at the last scoring (a dropped step leaves the count as it was)
+        while not self._stop.is_set():  # the buffer holds at least MIN_EXAMPLES requests from here on
             t0 = time.monotonic()
             self.train_steps(1)
-            if self.steps % self.cfg.swap_every == 0:
+            if self.steps - scored >= self.cfg.swap_every:
+                scored = self.steps
                 self.score_and_swap()
             spent = time.monotonic() - t0
             self._stop.wait(spent * (1 - self.cfg.share) / self.cfg.share)  # the serving share
@@ -209,8 +204,7 @@ class OnlineTrainer:
             batch = [pool[i] for i in self._rng.choice(len(pool), size=min(BATCH, len(pool)), replace=False)]
             length = tr._padded_len(max(len(e.ids) for e in batch))
             ids, mask = pad_batch(batch, length)
-            before = (tr.params, tr.opt_state)
-            backup = jax.tree.map(jnp.copy, before)  # the update donates its inputs
+            backup = jax.tree.map(jnp.copy, (tr.params, tr.opt_state))  # the update donates its inputs
             try:
                 params, opt, loss, _ = tr._update(
                     tr.params, tr.opt_state, tr.rest, tr._tgt_params, jnp.asarray(ids), jnp.asarray(mask),
@@ -240,9 +234,7 @@ class OnlineTrainer:
         if swap:
             self._swap_in(candidate)
         with self.lock:
-            self.scores.append(
-                {"time": time.time(), "step": self.steps, "in_use": in_use, "candidate": cand, "swapped": swap}
-            )
+            self.last_score = {"step": self.steps, "in_use": in_use, "candidate": cand, "swapped": swap}
         logger.info(
             "online draft training: step %d, score in use %.3f, candidate %.3f%s",
             self.steps, in_use, cand, " (swapped in)" if swap else "",
