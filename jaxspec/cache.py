@@ -57,8 +57,16 @@ class KVCache:
 
         Positions past max_len are dropped (padding of a chunked prefill)."""
         b, t = k_new.shape[:2]
-        rows = self._rows(b)  # [B, 1]
+        rows = jnp.broadcast_to(self._rows(b), (b, t))  # [B, T]
         cols = start[:, None] + jnp.arange(t)[None, :]  # [B, T]
+        if b * t == 1:
+            # One column of one slot (a decoding step of one request): XLA would turn the scatter
+            # into a dynamic-update-slice and, inside a loop whose body also reads the buffer,
+            # copy the whole buffer at every step (two copies of every layer's cache per step on
+            # XLA:CPU). The same index written twice with the same values keeps it a scatter,
+            # which updates the buffer in place.
+            rows, cols = jnp.concatenate([rows, rows], 1), jnp.concatenate([cols, cols], 1)
+            k_new, v_new = jnp.concatenate([k_new, k_new], 1), jnp.concatenate([v_new, v_new], 1)
         k = self.k[layer].at[rows, cols].set(k_new.astype(self.k[layer].dtype), mode="drop")
         v = self.v[layer].at[rows, cols].set(v_new.astype(self.v[layer].dtype), mode="drop")
         put = lambda t, x: t[:layer] + (x,) + t[layer + 1 :]

@@ -10,6 +10,8 @@ Counted per program (the `*after_optimizations.txt` modules of an XLA dump):
   command buffers   `command_buffer` computations: kernel sequences XLA:GPU records as one CUDA graph
   breakers  `conditional` (a predicate copied to the host), host callbacks, `sort`,
             infeed/outfeed/send/recv
+  copies    bytes moved by `copy` per loop iteration: a KV cache copied whole at every step (an
+            update XLA could not do in place) shows here as megabytes per iteration
 Timing is not done here (a dump does not change run time, but profiling would; bench_mtbench.py
 times the same programs).
 """
@@ -68,6 +70,31 @@ def kernels_in(name: str, comps: dict[str, list[str]], seen: set[str]) -> int:
     return n
 
 
+COPY = re.compile(r"=\s*(\w+)\[([\d,]*)\]\S*\s+copy\(")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4}
+
+
+def copied_bytes(name: str, comps: dict[str, list[str]], seen: set[str]) -> int:
+    """Bytes written by `copy` ops in one execution of computation `name` (descending into calls and
+    conditionals like kernels_in; while bodies are counted per iteration separately)."""
+    if name in seen or name not in comps:
+        return 0
+    seen = seen | {name}
+    n = 0
+    for line in comps[name]:
+        m = COPY.search(line)
+        if m:
+            size = 1
+            for d in filter(None, m.group(2).split(",")):
+                size *= int(d)
+            n += size * DTYPE_BYTES.get(m.group(1), 8)
+        elif " call(" in line or " conditional(" in line:
+            for c in CALLS.finditer(line):
+                for callee in c.group(2).replace("%", "").split(","):
+                    n += copied_bytes(callee.strip(), comps, seen)
+    return n
+
+
 def profile(path: str) -> dict:
     text = open(path).read()
     comps, entry = computations(text)
@@ -78,8 +105,9 @@ def profile(path: str) -> dict:
                 body = re.search(r"body=%?([\w.\-]+)", line)
                 trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
                 if body:
+                    b = body.group(1)
                     loops.append(
-                        (body.group(1), kernels_in(body.group(1), comps, set()), trip.group(1) if trip else "?")
+                        (b, kernels_in(b, comps, set()), trip.group(1) if trip else "?", copied_bytes(b, comps, set()))
                     )
     return dict(
         entry_kernels=kernels_in(entry, comps, set()),
@@ -120,18 +148,20 @@ def main() -> None:
         new = sorted(set(glob.glob(os.path.join(dump, "*after_optimizations.txt"))) - before)
         print(f"\n## {algo} (attention backend {eng.backend}): {len(new)} programs compiled")
         print(
-            "| program | kernels outside loops | loops: kernels per iteration (trip count) | command buffers | conditional | callbacks | sort | host transfers |"
+            "| program | kernels outside loops | loops: kernels per iteration (trip count) | MB copied per iteration | "
+            "command buffers | conditional | callbacks | sort | host transfers |"
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
         for p in new:
             r = profile(p)
-            total = r["entry_kernels"] + sum(k for _, k, _ in r["loops"])
+            total = r["entry_kernels"] + sum(k for _, k, _, _ in r["loops"])
             if total < args.min_kernels:
                 continue
-            loops = ", ".join(f"{k} ({t})" for _, k, t in r["loops"]) or "-"
+            loops = ", ".join(f"{k} ({t})" for _, k, t, _ in r["loops"]) or "-"
+            copied = ", ".join(f"{c / 1e6:.2f}" for *_, c in r["loops"]) or "-"
             name = os.path.basename(p).split(".")[1] if "." in os.path.basename(p) else os.path.basename(p)
             print(
-                f"| {name} | {r['entry_kernels']} | {loops} | {r['command_buffers']} | {r['conditional']} | "
+                f"| {name} | {r['entry_kernels']} | {loops} | {copied} | {r['command_buffers']} | {r['conditional']} | "
                 f"{r['callbacks']} | {r['sort']} | {r['host']} |",
                 flush=True,
             )
