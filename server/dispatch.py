@@ -274,6 +274,7 @@ class Dispatch(SchedulerState):
             # its slot keeps the KV of all but the last two tokens: the last one's was never written,
             # and the draft's entry for the one before may not have been either
             self.cache.keep(r.slot, np.asarray(list(r.ids) + list(r.out_ids), np.int32)[:-2])
+            self.finished_slots.append(r.slot)  # its columns past the kept prefix go back (release_tails)
         r.send({"type": "done", "result": self.result(r, reason)})
 
     def _ngram_add(self, r: Request) -> None:

@@ -2,8 +2,10 @@
 weights, divided by what one slot holds (its KV cache for the whole context, plus draft state).
 
 On a CPU the KV cache is host memory that a request only touches column by column, so its pages
-are handed back to the kernel while they hold nothing (`release_pages`): the process's resident
-memory then grows with the columns requests have written, not with slots x context. The other
+are handed back to the kernel while they hold nothing: the whole cache while every slot is free
+and empty (`release_pages`), and a finished request's slot past the prefix it keeps cached
+(`release_columns`). The process's resident memory then grows with the columns requests and
+cached prefixes hold, not with slots x context. The other
 large share of a CPU server's memory is its compiled programs (tens of MB each, measured at
 start-up: `ProgramMemory`), which the server bounds by a budget (server/programs.py)."""
 
@@ -119,6 +121,31 @@ def release_pages(arrays) -> int:
     madvise MADV_DONTNEED): they read as zeros again and take no memory until written. Only for
     arrays whose contents do not matter or are zeros (free slots' KV caches); blocks until every
     computation writing them is done. Returns the bytes released (0 where not supported)."""
+    return _release(arrays, lambda shape, itemsize: [(0, int(np.prod(shape)) * itemsize)], wait=True)
+
+
+def release_columns(arrays, slot: int, col: int) -> int:
+    """release_pages for the columns [col, S) of one slot of each array [B, S, ...] (a KV buffer):
+    only the whole pages inside that slot's tail, so the columns before `col` keep their
+    contents. For a free slot whose columns from `col` on hold nothing anyone will read (past the
+    prefix it keeps cached). It does not wait for a computation in flight: one may still read
+    that tail (reading zeros, where nothing it needs lives) or write a done slot's padding
+    columns there (the pages written are taken again, nothing else changes)."""
+
+    def tail(shape, itemsize):
+        b, s = shape[0], shape[1]
+        if not 0 <= slot < b or col >= s:
+            return []
+        row = int(np.prod(shape[2:])) * itemsize  # bytes per column
+        return [((slot * s + max(col, 0)) * row, (slot + 1) * s * row)]
+
+    return _release(arrays, tail, wait=False)
+
+
+def _release(arrays, ranges, wait: bool) -> int:
+    """madvise(MADV_DONTNEED) over the whole pages inside each byte range [start, end) of each CPU
+    array's buffer that ranges(shard shape, itemsize) lists, after the computations writing the
+    array are done if `wait`. Returns the bytes released."""
     if not sys.platform.startswith("linux"):
         return 0
     try:
@@ -128,18 +155,20 @@ def release_pages(arrays) -> int:
     page = os.sysconf("SC_PAGE_SIZE")
     done = 0
     for x in arrays:
-        jax.block_until_ready(x)
+        if any(d.platform != "cpu" for d in x.devices()):
+            return done
+        if wait:
+            jax.block_until_ready(x)
         for shard in x.addressable_shards:
-            if shard.device.platform != "cpu":
-                return done
             data = shard.data
             ptr = data.unsafe_buffer_pointer()
-            start, end = -(-ptr // page) * page, (ptr + data.nbytes) // page * page
-            if (
-                end - start >= 16 * page
-                and libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) == 0
-            ):
-                done += end - start
+            for lo, hi in ranges(data.shape, data.dtype.itemsize):
+                start, end = -(-(ptr + lo) // page) * page, (ptr + hi) // page * page
+                if (
+                    end - start >= page
+                    and libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) == 0
+                ):
+                    done += end - start
     return done
 
 

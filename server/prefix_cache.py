@@ -95,6 +95,10 @@ class PrefixCache:
                 if not len(self.held[s]):
                     del self.held[s]
 
+    def held_length(self, slot: int) -> int:
+        """How many leading columns of `slot` hold a cached prefix (0: none)."""
+        return len(self.held.get(slot, ()))
+
     def flush(self) -> int:
         """Forgets every cached prefix. Returns how many slots held one."""
         n = len(self.held)

@@ -82,6 +82,13 @@ MAP_BUDGET = 0.7
 WANTED_BUDGET = 0.8
 
 
+def chunk_cost(key: tuple) -> float:
+    """A prefill chunk program's relative cost, ("chunk", n, C, span) -> n x C x (1 + span / 2048):
+    its rows through the weights plus attention over the span (two SmolLM2 chunks on the 2-core CPU:
+    C = 64 at span 64 took 117 ms, C = 512 at span 1024 1,240 ms)."""
+    return key[1] * key[2] * (1 + key[3] / 2048)
+
+
 def _spec(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
@@ -224,26 +231,30 @@ class Programs:
     def background_keys(self) -> list[tuple]:
         """Every other shape, most useful first: one request at every span, then every batch size,
         then admission of several requests at once (bursts of short prompts). With adaptive
-        speculation, the twins of the start-up dispatches for its other candidates come first
-        (plain steps first; without them it cannot choose), then the greedy-only twins of the
-        start-up dispatches (none on CPU, see the module docstring); the twins of the others come
-        last, and the logprob programs for one
-        request at each short span after them. The list may be cut short by MAP_BUDGET, so the most
-        useful come first."""
+        speculation, the twins of the start-up dispatches for plain steps come first (without them
+        it cannot choose), then the smallest prefill chunk at every span (a cached prompt's tail),
+        then the twins for the shallower tree and the greedy-only twins of the start-up dispatches
+        (none on CPU, see the module docstring); the twins of the others come last, and the
+        logprob programs for one request at each short span after them. The list may be cut short
+        by MAP_BUDGET or the program memory budget, so the most useful come first."""
         spans, sizes, main = self.spans(), self.sizes(), self.sched.main_shape
         startup = [k for k in self.startup_keys(self.startup_bs) if k[0] != "dispatch" or not k[5]]
         # greedy-only twins: not where the sampling programs skip their sampler for greedy calls (CPU)
         greedy = lambda ks: [] if skips_unused() else [k[:3] + (False,) + k[4:] for k in ks if k[0] == "dispatch"]
         others = [x for x in reversed(self.sched.shapes) if x != main]  # plain steps, then shallower trees
-        twins = lambda ks: [k[:4] + (x,) + k[5:] for x in others for k in ks if k[0] == "dispatch"]
-        keys = twins(startup) + greedy(startup)
+        twins = lambda ks, shapes=others: [k[:4] + (x,) + k[5:] for x in shapes for k in ks if k[0] == "dispatch"]
+        # plain steps' twins first (adaptive speculation cannot choose without them), then the
+        # smallest chunk at every span (a cached prompt's tail: multi-turn chats), then the
+        # shallower trees' twins, which adaptive speculation chooses least often
+        keys = twins(startup, others[:1])
+        if self.sched.cache.enabled:
+            keys += [("chunk", 1, self.chunk_sizes()[0], x) for x in spans]
+        keys += twins(startup, others[1:]) + greedy(startup)
         rest = [("dispatch", 1, x, True, main, False, False) for x in spans]
         rest += [("dispatch", n, x, True, main, False, False) for x in spans for n in sizes]
         keys += rest
-        # tiny prompts under a large min span; the smallest chunk at every span (cached prompts' tails)
+        # tiny prompts under a large min span
         keys += [("chunk", 1, c, spans[0]) for c in self.chunk_sizes() if c < spans[0]]
-        if self.sched.cache.enabled:
-            keys += [("chunk", 1, self.chunk_sizes()[0], x) for x in spans]
         for n in sizes[1:]:
             keys.append(("finish", n))
             keys += [("chunk", n, self.chunk_for(x), x) for x in spans if x <= 512]
@@ -550,28 +561,49 @@ class Programs:
     ) -> tuple[int, int, list[tuple]] | None:
         """(C, first position, chunk keys) to prefill positions [start, length) of n prompts of at
         most `length` tokens (those before `start` are cached), or None if no compiled programs do
-        it. The chunks start at `start` and the last is padded past `length`, unless that would
-        run past the KV region (then they start earlier, recomputing a few cached positions).
-        Prefers the ideal chunk (the power of two of the positions left, at most the prefill chunk
-        size), then the smaller chunks, and the smallest spans. exact: the ideal shapes, compiled
-        or not."""
+        it. exact (or a lazy store): the ideal chunk (the power of two of the positions left, at
+        most the prefill chunk size) from `start`, compiled or not. Otherwise compiled programs
+        from `start`, the last chunk padded past `length`: the ideal chunk, else the smallest
+        chunks, each at the smallest span compiled; or, where it is cheaper by chunk_cost, chunks
+        from an earlier position, recomputing cached positions so that programs of a shorter span
+        serve (a cached prompt's last token: one small chunk from the start of the KV region
+        rather than a long chunk over a long span, when the small chunk at the long span is not
+        compiled). Chunks never run past the KV region (they start earlier instead)."""
         s = self.sched
         sizes = self.chunk_sizes()
         ideal = min(sizes[-1], max(sizes[0], bucket(length - start)))
         have = {k for k in self._have() if k[0] == "chunk" and k[1] == n}
-        options = [ideal] + [c for c in sorted({k[2] for k in have}) if c != ideal]
-        for c in options:
-            count = -(-(length - start) // c)
-            first = max(0, min(start, s.max_len - count * c))
+        spans = sorted({k[3] for k in have})
+
+        def plan(c: int, first: int) -> list[tuple] | None:
+            count = -(-(length - first) // c)
+            first = max(0, min(first, s.max_len - count * c))
             keys = []
             for i in range(count):
                 need = s._span(first + i * c + c)
-                cands = [k for k in have if k[2] == c and k[3] >= need]
                 if self.lazy or exact:
-                    cands = [("chunk", n, c, need)]
+                    keys.append(("chunk", n, c, need))
+                    continue
+                cands = [k for k in have if k[2] == c and k[3] >= need]
                 if not cands:
-                    break
+                    return None
                 keys.append(min(cands, key=lambda k: k[3]))
-            else:
-                return c, first, keys
-        return None
+            return keys
+
+        if self.lazy or exact:
+            keys = plan(ideal, start)
+            assert keys is not None
+            return ideal, max(0, min(start, s.max_len - len(keys) * ideal)), keys
+        best = None
+        for c in [ideal] + [c for c in sorted({k[2] for k in have}) if c != ideal]:  # from `start`
+            keys = plan(c, start)
+            if keys is not None:
+                best = (sum(map(chunk_cost, keys)), c, max(0, min(start, s.max_len - len(keys) * c)), keys)
+                break
+        for c in sorted({k[2] for k in have}):  # from earlier, where that is cheaper
+            count = -(-(length - start) // c)
+            for first in {min(start, x - m * c) for x in spans for m in range(1, count + 1)}:
+                keys = plan(c, first) if 0 <= first < start else None
+                if keys is not None and (best is None or sum(map(chunk_cost, keys)) < best[0]):
+                    best = (sum(map(chunk_cost, keys)), c, max(0, min(first, s.max_len - len(keys) * c)), keys)
+        return None if best is None else best[1:]

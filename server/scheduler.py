@@ -197,6 +197,8 @@ class Scheduler(Admission, Dispatch):
         while len(self._pending) > keep:
             item = self._pending.popleft()
             self._guarded("fetching results", item.who, lambda item=item: self._process(item))
+        if self.finished_slots:
+            self.release_tails()
 
     def run_until_idle(self) -> None:
         """Drives the loop in the calling thread until every request finished (tests, offline use)."""

@@ -23,7 +23,7 @@ from jaxspec.config import SpecConfig
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.logprobs import top_k_for
-from jaxspec.server.memory import MemoryPlan, map_usage, plan_slots, release_pages, rss_bytes
+from jaxspec.server.memory import MemoryPlan, map_usage, plan_slots, release_columns, release_pages, rss_bytes
 from jaxspec.server.nodes import Nodes
 from jaxspec.server.prefix_cache import PrefixCache
 from jaxspec.server.programs import Programs
@@ -80,6 +80,7 @@ class SchedulerState:
         # (host callbacks; not under tensor parallelism, where requests with a grammar are refused)
         self.grammar = eng.tp_size == 1
         self._slot_handle: dict[int, int] = {}  # slot -> the matcher handle of its latest request
+        self.finished_slots: list[int] = []  # slots freed since the last release_tails()
         self.overlap = overlap
         self.max_queued = max_queued_requests
         self.slots = self._plan_memory(max_running_requests, mem_fraction_static, gpu)
@@ -131,6 +132,21 @@ class SchedulerState:
         batch = self.batch if batch is None else batch
         caches = jax.tree_util.tree_leaves(batch.core, is_leaf=lambda x: isinstance(x, KVCache))
         return [a for c in caches if isinstance(c, KVCache) for a in c.k + c.v]
+
+    def release_tails(self) -> int:
+        """(scheduler thread, lock not held) Hands back the KV pages of the slots whose requests
+        finished since the last call, past the prefix each keeps cached (`finished_slots`, filled by
+        the finishing code with the lock held). Called before the next admission, so that no slot
+        is taken meanwhile; a dispatch still in flight is not waited for (server/memory.py
+        release_columns). Returns the bytes released."""
+        with self.lock:
+            todo, self.finished_slots = self.finished_slots, []
+            cols = {s: self.cache.held_length(s) for s in todo if s not in self.busy}
+        if not cols or self.batch is None:
+            return 0
+        arrays = self._kv_arrays()
+        # one column more than the prefix: the draft's entry for a position is written one step later
+        return sum(release_columns(arrays, s, c + 1 if c else 0) for s, c in cols.items())
 
     def release_kv(self) -> int:
         """Hands the KV caches' pages back to the kernel (server/memory.py release_pages): only
