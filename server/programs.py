@@ -602,7 +602,8 @@ class Programs:
                 break
         for c in sorted({k[2] for k in have}):  # from earlier, where that is cheaper
             count = -(-(length - start) // c)
-            for first in {min(start, x - m * c) for x in spans for m in range(1, count + 1)}:
+            # the latest start first: on a tie, fewer cached positions recomputed
+            for first in sorted({min(start, x - m * c) for x in spans for m in range(1, count + 1)}, reverse=True):
                 keys = plan(c, first) if 0 <= first < start else None
                 if keys is not None and (best is None or sum(map(chunk_cost, keys)) < best[0]):
                     best = (sum(map(chunk_cost, keys)), c, max(0, min(first, s.max_len - len(keys) * c)), keys)

@@ -41,8 +41,10 @@ def test_bad_dp_flags_fail_before_loading(capsys, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     free = str(free_port())  # (not the default port: a server may be running there)
-    assert "need a core each; this process may use 2" in serve_error(capsys, "--dp-size", "3", "--port", free)
-    assert "needs GPUs" in serve_error(capsys, "--dp-size", "2", "--tp-size", "2", "--port", free)
+    with monkeypatch.context() as m:  # the replicas' ports free (another test's server may take one meanwhile)
+        m.setattr(replicas, "port_free", lambda host, port: True)
+        assert "need a core each; this process may use 2" in serve_error(capsys, "--dp-size", "3", "--port", free)
+        assert "needs GPUs" in serve_error(capsys, "--dp-size", "2", "--tp-size", "2", "--port", free)
     with socket.socket() as s:  # the router's port in use
         s.bind(("127.0.0.1", 0))
         s.listen()
