@@ -107,8 +107,9 @@ async def server_info(request: Request):
         "memory_plan": dataclasses.asdict(sched.memory_plan),
         "memory": sched.memory_report(),
     }
-    if ctx.eng.online is not None:
-        internal |= ctx.eng.online.stats()
+    online = None if ctx.eng.online is None else ctx.eng.online.stats()
+    if online is not None:
+        internal |= online
     return {
         **ctx.server_args,
         "served_model_name": ctx.served_model_name,
@@ -117,7 +118,7 @@ async def server_info(request: Request):
         "speculative_eagle_topk": spec.eagle_topk,
         "speculative_num_draft_tokens": spec.num_draft_tokens,
         "speculative_adaptive": spec.adaptive,
-        "draft_version": None if ctx.eng.online is None else ctx.eng.online.stats()["draft_version"],
+        "draft_version": None if online is None else online["draft_version"],
         "context_length": sched.context_length,
         "max_running_requests": sched.slots,
         "num_continuous_decode_steps": sched.k,

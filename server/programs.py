@@ -575,7 +575,9 @@ class Programs:
         have = {k for k in self._have() if k[0] == "chunk" and k[1] == n}
         spans = sorted({k[3] for k in have})
 
-        def plan(c: int, first: int) -> list[tuple] | None:
+        def plan(c: int, first: int) -> tuple[float, int, int, list[tuple]] | None:
+            """(cost, C, first position, keys) of chunks of C from `first` (earlier where they would
+            run past the KV region), or None where a chunk has no compiled program."""
             count = -(-(length - first) // c)
             first = max(0, min(first, s.max_len - count * c))
             keys = []
@@ -588,23 +590,20 @@ class Programs:
                 if not cands:
                     return None
                 keys.append(min(cands, key=lambda k: k[3]))
-            return keys
+            return sum(map(chunk_cost, keys)), c, first, keys
 
         if self.lazy or exact:
-            keys = plan(ideal, start)
-            assert keys is not None
-            return ideal, max(0, min(start, s.max_len - len(keys) * ideal)), keys
+            return plan(ideal, start)[1:]  # type: ignore[index]  # (never None here)
         best = None
         for c in [ideal] + [c for c in sorted({k[2] for k in have}) if c != ideal]:  # from `start`
-            keys = plan(c, start)
-            if keys is not None:
-                best = (sum(map(chunk_cost, keys)), c, max(0, min(start, s.max_len - len(keys) * c)), keys)
+            best = plan(c, start)
+            if best is not None:
                 break
         for c in sorted({k[2] for k in have}):  # from earlier, where that is cheaper
             count = -(-(length - start) // c)
             # the latest start first: on a tie, fewer cached positions recomputed
             for first in sorted({min(start, x - m * c) for x in spans for m in range(1, count + 1)}, reverse=True):
-                keys = plan(c, first) if 0 <= first < start else None
-                if keys is not None and (best is None or sum(map(chunk_cost, keys)) < best[0]):
-                    best = (sum(map(chunk_cost, keys)), c, max(0, min(first, s.max_len - len(keys) * c)), keys)
+                alt = plan(c, first) if 0 <= first < start else None
+                if alt is not None and (best is None or alt[0] < best[0]):
+                    best = alt
         return None if best is None else best[1:]
