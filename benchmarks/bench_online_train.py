@@ -104,13 +104,15 @@ def main() -> int:
         help="flags of every server (default: the shipped EAGLE-3 head at its CPU shape, adaptive speculation off)",
     )
     ap.add_argument("--online-args", default="", help="further flags of the online-training server")
+    ap.add_argument("--online-only", action="store_true", help="skip the run without online training (a pilot)")
     args = ap.parse_args()
     prompts = code_prompts(args.prompts)
     w = min(args.window, len(prompts) // 2)
     print(machine(), f"{len(prompts)} prompts, concurrency {args.concurrency}, {args.max_tokens} tokens", flush=True)
     saved = tempfile.mkdtemp(prefix="online-head-")
     results = {}
-    for name, extra in (("off", ""), ("online", f"--speculative-online-train {args.online_args}")):
+    runs = (("off", ""), ("online", f"--speculative-online-train {args.online_args}"))
+    for name, extra in runs[1:] if args.online_only else runs:
         proc, cl = serve(f"{args.serve_args} {extra}")
         try:
             rows, wall = stream(cl, prompts, args.concurrency, args.max_tokens)
@@ -137,8 +139,9 @@ def main() -> int:
             ),
             flush=True,
         )
-    same = sum(a["text"] == b["text"] for a, b in zip(results["off"], results["online"]))
-    print(f"identical outputs: {same}/{len(prompts)}", flush=True)
+    if "off" in results:
+        same = sum(a["text"] == b["text"] for a, b in zip(results["off"], results["online"]))
+        print(f"identical outputs: {same}/{len(prompts)}", flush=True)
     proc, cl = serve(f"{args.serve_args} --speculative-draft-model-path {saved}")
     try:
         rows, wall = stream(cl, prompts[-w:], args.concurrency, args.max_tokens)

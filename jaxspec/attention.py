@@ -127,7 +127,7 @@ def attention(
     if mode not in ("", "prefill", "decode"):
         raise ValueError(f"unknown attention mode {mode!r}; available: {', '.join(MODES)}")
     if backend == "xla" and native_rows(q, k, kv_sharding):  # every mode: it reads only what a row sees
-        return native.attention(q, k, v, prefix_len, offset, local_mask, sliding_window).astype(q.dtype)
+        return _native(q, k, v, prefix_len, offset, local_mask, sliding_window).astype(q.dtype)
     if mode == "decode" and not (q.shape[1] == 1 and local_mask is None):
         reason = _split_unsupported(sliding_window, offset, local_mask)
         if reason is None:
@@ -143,6 +143,28 @@ def attention(
     elif backend != "xla":
         raise ValueError(f"unknown attention backend {backend!r}; available: {', '.join(BACKENDS)}")
     return attention_reference(q, k, v, prefix_len, local_mask, offset=offset, sliding_window=sliding_window)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _native(q, k, v, prefix_len, offset, local_mask, sliding_window):
+    """The native kernel, differentiable (draft training runs heads through this module): the
+    gradient is the reference attention's, which computes the same function."""
+    return native.attention(q, k, v, prefix_len, offset, local_mask, sliding_window)
+
+
+def _native_fwd(q, k, v, prefix_len, offset, local_mask, sliding_window):
+    return _native(q, k, v, prefix_len, offset, local_mask, sliding_window), (q, k, v, prefix_len, offset, local_mask)
+
+
+def _native_bwd(sliding_window, res, g):
+    q, k, v, prefix_len, offset, local_mask = res
+    ref = lambda q, k, v: attention_reference(
+        q, k, v, prefix_len, local_mask, offset=offset, sliding_window=sliding_window
+    )
+    return (*jax.vjp(ref, q, k, v)[1](g.astype(q.dtype)), None, None, None)
+
+
+_native.defvjp(_native_fwd, _native_bwd)
 
 
 def native_rows(q, k, kv_sharding=None) -> bool:

@@ -61,6 +61,7 @@ from jaxspec.speculative.adaptive import Adaptive, shape_label
 from jaxspec.speculative.loop import spec_block, spec_prefill_chunk, spec_start
 from jaxspec.speculative.online import OnlineConfig, OnlineTrainer
 from jaxspec.speculative.proposers import Proposer
+from jaxspec.speculative.proposers.eagle import EagleProposer
 from jaxspec.speculative.proposers.ngram import Corpus
 from jaxspec.weights import Models
 
@@ -195,6 +196,9 @@ class Engine:
             if not self.spec.enabled:
                 raise JaxspecError("speculative_online_train needs a draft (--speculative-algorithm EAGLE3)")
             self.online = OnlineTrainer(self, OnlineConfig.from_args(args))
+            # the draft cache keeps the target's features for it to train on (no second forward)
+            assert isinstance(self.proposer, EagleProposer)  # (OnlineTrainer refuses other drafts)
+            self.proposer = dataclasses.replace(self.proposer, keep_features=True)
 
     def swap_draft(self, path: str) -> None:
         """Replaces the draft's weights with the head at `path` (same architecture and draft vocabulary;
@@ -343,9 +347,6 @@ class Engine:
         n = self.max_running_requests
         for s in range(0, len(ids), n):
             out += self._run_batch(ids[s : s + n], params[s : s + n], spec_on, lp, grammars[s : s + n])
-        if self.online is not None:
-            for x, r in zip(ids, out):
-                self.online.observe(x, r["output_ids"])
         return out
 
     def grammar_of(self, p: SamplingParams) -> str | None:
@@ -430,7 +431,7 @@ class Engine:
         cache = KVCache.create(self.cfg, b, s_len, self.dtype, self.kv_sharding)
         last_h = replicate(jnp.zeros((b, self.cfg.hidden_size), self.dtype), self.mesh)
         if spec_on:
-            (out, num_out, finish, verify_ct, hist, lps), used = self._spec_batch(
+            (out, num_out, finish, verify_ct, hist, lps), used, feats = self._spec_batch(
                 cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks, sampled, n, top
             )
         else:
@@ -451,11 +452,11 @@ class Engine:
                 top_logprobs=top,
             )
             out, num_out, finish, lps = jax.device_get((out, num_out, finish, lps))
-            verify_ct, hist, used = num_out, None, None
+            verify_ct, hist, used, feats = num_out, None, None, None
         latency = time.perf_counter() - t0
         if spec_on:  # finished requests feed the shared n-gram text
             self.feed_ngram_corpus([list(x) + list(map(int, out[i, : num_out[i]])) for i, x in enumerate(ids)])
-        return [
+        results = [
             self._result(
                 list(map(int, out[i, : num_out[i]])),
                 int(finish[i]),
@@ -471,6 +472,10 @@ class Engine:
             )
             for i in range(n)
         ]
+        if self.online is not None and feats is not None:  # online draft training learns from them
+            for i, r in enumerate(results):
+                self.online.observe(ids[i], r["output_ids"], feats[i])
+        return results
 
     def prompt_logprob_rows(self, ids: list[int], temperature: float, k: int) -> TokenLogprobRows:
         """Each prompt token's logprob given the tokens before it, with its k (<= 20) most likely
@@ -501,7 +506,8 @@ class Engine:
     ):
         """Prefill, then rounds (in blocks chosen by adaptive speculation when it is on). top: None,
         or the top-logprob count to record. Returns ((out, num_out, finish, verify_ct, hist, lps) on
-        the host, rounds per candidate [n, len(candidates)] or None)."""
+        the host, rounds per candidate [n, len(candidates)] or None, the target features the draft
+        cache kept [b, S, F] or None)."""
         models, b = self.models, prompt.shape[0]
         prop = models.draft
         dcache = replicate(prop.make_cache(b, cache.max_len, self.dtype), self.mesh)
@@ -534,7 +540,9 @@ class Engine:
         else:
             state, used = self._adaptive_blocks(models, state, st, max_new_d, stop_d, sampled, n)
         res = jax.device_get((state.out, state.num_out, state.finish, state.verify_ct, state.hist, state.lps))
-        return res, used
+        # the target features the draft cache kept, [b, S, F] (online draft training)
+        feats = None if self.online is None else state.draft.cache.k[prop.feature_layer][:, :, 0]
+        return res, used, feats
 
     def _adaptive_blocks(self, models: Models, state, st, max_new_d, stop_d, sampled, n):
         """Rounds in blocks chosen by adaptive speculation (speculative/adaptive.py) until every

@@ -22,6 +22,7 @@ from jaxspec.server.detokenize import detokenize
 from jaxspec.server.records import Pending, Request
 from jaxspec.server.scheduler_state import SchedulerState
 from jaxspec.speculative.adaptive import OFF, shape_label
+from jaxspec.speculative.online import feature_window, read_features
 
 logger = logging.getLogger("jaxspec.server")
 
@@ -269,13 +270,27 @@ class Dispatch(SchedulerState):
         if self.spec is not None and self.spec.algorithm == "NGRAM" and reason["type"] != "abort":
             self._ngram_add(r)
         if self.eng.online is not None and reason["type"] != "abort":
-            self.eng.online.observe(r.ids, r.out_ids)  # online draft training learns from served traffic
+            self._learn(r)
         if reason["type"] != "abort" and r.decoding and r.slot not in self.busy:
             # its slot keeps the KV of all but the last two tokens: the last one's was never written,
             # and the draft's entry for the one before may not have been either
             self.cache.keep(r.slot, np.asarray(list(r.ids) + list(r.out_ids), np.int32)[:-2])
             self.finished_slots.append(r.slot)  # its columns past the kept prefix go back (release_tails)
         r.send({"type": "done", "result": self.result(r, reason)})
+
+    def _learn(self, r: Request) -> None:
+        """(lock held) Hands a finished request to online draft training with the target features its
+        slot's draft cache kept, read by a program enqueued now (before any later call can take
+        the slot); its slot's pages wait for that read (release_tails)."""
+        online = self.eng.online
+        total = len(r.ids) + len(r.out_ids)
+        if online is None or self.batch is None or r.slot < 0 or not r.out_ids or total < 3:
+            return
+        layer = self.feature_layer()
+        first, size = feature_window(total, layer.shape[1])
+        feats = read_features(layer, jnp.int32(r.slot), jnp.int32(first), size=size)
+        self.feature_reads[r.slot] = (feats, first + size)
+        online.observe(r.ids, r.out_ids, feats, first)
 
     def _ngram_add(self, r: Request) -> None:
         self.eng.feed_ngram_corpus([list(r.ids) + list(r.out_ids)])

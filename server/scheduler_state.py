@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import grammar
@@ -30,6 +31,9 @@ from jaxspec.server.programs import Programs
 from jaxspec.server.records import Pending, PrefillGroup, Request, Stats
 from jaxspec.serving import SlotBatch
 from jaxspec.speculative.adaptive import SERVER_MARGIN, Adaptive, shape_label
+from jaxspec.speculative.loop import SpecState
+from jaxspec.speculative.online import feature_window, read_features
+from jaxspec.speculative.proposers.eagle import EagleProposer
 
 logger = logging.getLogger("jaxspec.server")
 
@@ -81,6 +85,9 @@ class SchedulerState:
         self.grammar = eng.tp_size == 1
         self._slot_handle: dict[int, int] = {}  # slot -> the matcher handle of its latest request
         self.finished_slots: list[int] = []  # slots freed since the last release_tails()
+        # online draft training (scheduler thread): slot -> (the read of its finished request's target
+        # features, the column it ends at); its pages are not handed back before the read is done
+        self.feature_reads: dict[int, tuple[jax.Array, int]] = {}
         self.overlap = overlap
         self.max_queued = max_queued_requests
         self.slots = self._plan_memory(max_running_requests, mem_fraction_static, gpu)
@@ -88,6 +95,10 @@ class SchedulerState:
             self.slots = nodes.agree("slots", self.slots)
         self.batch = self._new_batch(self.slots)
         self.release_kv()
+        if eng.online is not None:  # online training's feature read compiles now, not at the first finish
+            layer = self.feature_layer()
+            zero = jnp.int32(0)
+            read_features(layer, zero, zero, size=feature_window(0, layer.shape[1])[1]).block_until_ready()
         self.busy: dict[int, Request] = {}  # slot -> request (prefilling or decoding)
         # admission groups with prompt chunks left
         self._prefilling: collections.deque[PrefillGroup] = collections.deque()
@@ -133,6 +144,12 @@ class SchedulerState:
         caches = jax.tree_util.tree_leaves(batch.core, is_leaf=lambda x: isinstance(x, KVCache))
         return [a for c in caches if isinstance(c, KVCache) for a in c.k + c.v]
 
+    def feature_layer(self) -> jax.Array:
+        """The slots' draft-cache layer of kept target features [B, S, 1, F] (online draft training)."""
+        core, prop = self.batch.core, self.prop
+        assert isinstance(core, SpecState) and isinstance(prop, EagleProposer) and prop.keep_features
+        return core.draft.cache.k[prop.feature_layer]
+
     def release_tails(self) -> int:
         """(scheduler thread, lock not held) Hands back the KV pages of the slots whose requests
         finished since the last call, past the prefix each keeps cached (`finished_slots`, filled by
@@ -142,16 +159,24 @@ class SchedulerState:
         with self.lock:
             todo, self.finished_slots = self.finished_slots, []
             cols = {s: self.cache.held_length(s) for s in todo if s not in self.busy}
+            # one column more than the prefix: the draft's entry for a position is written one step later
+            cols = {s: c + 1 if c else 0 for s, c in cols.items()}
+            reads = {s: self.feature_reads.pop(s) for s in todo if s in self.feature_reads}
+        for s, (read, end) in reads.items():
+            if s in cols and end > cols[s]:  # the pages it reads would be handed back under it
+                read.block_until_ready()
         if not cols or self.batch is None:
             return 0
         arrays = self._kv_arrays()
-        # one column more than the prefix: the draft's entry for a position is written one step later
-        return sum(release_columns(arrays, s, c + 1 if c else 0) for s, c in cols.items())
+        return sum(release_columns(arrays, s, c) for s, c in cols.items())
 
     def release_kv(self) -> int:
         """Hands the KV caches' pages back to the kernel (server/memory.py release_pages): only
         while every slot is free and holds no cached prefix (their contents no longer matter), and
         no device call is in flight. Returns the bytes released."""
+        reads, self.feature_reads = list(self.feature_reads.values()), {}
+        for read, _ in reads:  # online draft training's reads of finished requests' features
+            read.block_until_ready()
         return release_pages(self._kv_arrays())
 
     def memory_report(self) -> dict[str, Any]:

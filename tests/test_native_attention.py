@@ -96,3 +96,21 @@ def test_the_xla_backend_takes_the_kernel_for_few_float32_rows():
     mask = jnp.asarray(np.tril(np.ones((B, 2, 2), bool)))  # verification in decode mode: the same kernel
     out = attn.attention(*map(jnp.asarray, (q, k, v)), jnp.asarray([3, 30]), mask, backend="xla:decode")
     assert np.array_equal(np.asarray(out), _native(q, k, v, [3, 30], 0, mask))
+
+
+def test_the_xla_backend_is_differentiable_through_the_kernel():
+    """Draft training differentiates heads whose attention the xla backend sends to the kernel: the
+    gradient is the reference attention's."""
+    q, k, v = _data(64, 5)
+    kv_len = jnp.asarray([3, 40], jnp.int32)
+    assert attn.native_rows(jnp.asarray(q), jnp.asarray(k))
+    w = jnp.asarray(np.random.default_rng(2).standard_normal(q.shape).astype(np.float32))
+
+    def loss(fn):
+        return lambda q, k, v: (fn(q, k, v) * w).sum()
+
+    got = jax.grad(loss(lambda q, k, v: attn.attention(q, k, v, kv_len, offset=1)), (0, 1, 2))(q, k, v)
+    want = jax.grad(loss(lambda q, k, v: attn.attention_reference(q, k, v, kv_len, offset=1)), (0, 1, 2))(q, k, v)
+    for a, b in zip(got, want):
+        assert float(jnp.abs(b).max()) > 0
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)

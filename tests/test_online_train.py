@@ -98,8 +98,9 @@ def test_the_head_adapts_and_output_does_not_change(dirs, tmp_path):
 def test_a_failed_step_is_dropped(dirs, monkeypatch):
     eng = _engine(dirs, speculative_online_train=True, speculative_online_train_share=1.0)
     rng = np.random.default_rng(1)
+    feats = np.zeros((24, 3 * eng.cfg.hidden_size), np.float32)
     for _ in range(20):
-        eng.online.observe(list(rng.integers(0, V, 4)), list(rng.integers(0, V, 20)))
+        eng.online.observe(list(rng.integers(0, V, 4)), list(rng.integers(0, V, 20)), feats)
     eng.online.close()  # no background thread work: this test drives the steps itself
     eng.online.train_steps(1)
     tr = eng.online._trainer
@@ -110,11 +111,102 @@ def test_a_failed_step_is_dropped(dirs, monkeypatch):
 
         return params, opt_state, jnp.float32(np.nan), {}
 
-    monkeypatch.setattr(tr, "_update", nan_update)
+    monkeypatch.setattr(tr, "update_given", nan_update)
     eng.online.train_steps(2)
     assert eng.online.stats()["online_train_failed_steps"] == 2
     assert np.array_equal(np.asarray(tr.params["lm_head"]["kernel"][...]), good)
     assert eng.online.stats()["online_train_steps"] == 1
+
+
+def _recomputed(eng, ids) -> np.ndarray:
+    """The target's EAGLE-3 features over ids [n] by a forward of its own -> [n, 3H]."""
+    import jax.numpy as jnp
+
+    from jaxspec.train.data import Example
+    from jaxspec.train.trainer import TrainConfig, Trainer
+
+    online = eng.online
+    tr = Trainer(
+        eng.loaded, online_head_config(online), [Example(list(ids), [1] * len(ids))], TrainConfig(),
+        "/tmp/unused", progress=False, init_head=online.head_path,
+    )  # fmt: skip
+    return np.asarray(tr._features(tr._tgt_params, jnp.asarray([ids]))[0][0])
+
+
+def online_head_config(online):
+    from jaxspec.speculative.online import _head_config
+
+    return _head_config(online.head_path)
+
+
+def check_kept_features(eng, n_min: int) -> int:
+    """Every request online training holds: its features, kept by serving, are the target's own
+    at the same positions (bf16). Returns how many requests were checked."""
+    recs = list(eng.online.examples) + list(eng.online.held)
+    assert len(recs) >= n_min
+    for r in recs:
+        got = r.features().astype(np.float32)
+        want = _recomputed(eng, [int(t) for t in r.ids])[: len(r.ids) - 2]
+        assert got.shape == want.shape, (got.shape, want.shape)
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * float(np.abs(want).max()))
+    return len(recs)
+
+
+def test_the_kept_features_are_the_targets(dirs):
+    """Features read back from the draft cache after prefill chunks and rounds match a fresh
+    forward over the same tokens, row for row (prompts of several chunks, and longer than the
+    training window, whose tail is kept)."""
+    from jaxspec.speculative import online
+
+    eng = _engine(dirs, speculative_online_train=True, chunked_prefill_size=16)
+    eng.online.close()  # no training thread: this test reads the buffer
+    rng = np.random.default_rng(3)
+    old = online.MAX_LEN
+    online.MAX_LEN = 40  # so that the longer prompts exercise the tail window
+    try:
+        prompts = [list(rng.integers(0, V, n)) for n in (5, 23, 37, 50)]
+        eng.generate(input_ids=prompts, sampling_params=[dict(GREEDY, max_new_tokens=12 + i) for i in range(4)])
+        assert check_kept_features(eng, 4) == 4
+        assert [len(r.ids) for r in list(eng.online.examples) + list(eng.online.held)] == [17, 36, 40, 40]
+    finally:
+        online.MAX_LEN = old
+
+
+def test_scoring_only_the_output_rows_is_the_same_loss(dirs):
+    """The training-time-test loss over a window of rows around each request's output (what online
+    training computes) equals the loss over every row, in value, metrics and gradient."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.speculative.online import Served, pad_served, query_rows
+
+    eng = _engine(dirs, speculative_online_train=True)
+    eng.online.close()
+    rng = np.random.default_rng(4)
+    f = 3 * eng.cfg.hidden_size
+    recs = []
+    for n_prompt, n_out in ((70, 9), (20, 30), (100, 20)):
+        n = n_prompt + n_out
+        mask = np.r_[np.zeros(n_prompt), np.ones(n_out)].astype(np.float32)
+        recs.append(Served(rng.integers(0, V, n).astype(np.int32), mask, rng.standard_normal((n - 2, f)) * 3))
+    eng.online.examples.extend(recs * 6)
+    tr = eng.online._build()
+    length = 128
+    ids, mask, feats = (jnp.asarray(x) for x in pad_served(recs, length))
+    first, nq = query_rows(recs, length, eng.online.depth)
+    assert nq == 32 and list(first) == [66, 16, 96]  # the last window moves back to fit: rows 95 .. 126
+    labels = tr._labels(ids)
+    full = lambda p: tr._loss(p, tr.rest, tr._tgt_params, ids, mask, feats.astype(jnp.float32), labels)
+    part = lambda p: tr._loss(
+        p, tr.rest, tr._tgt_params, ids, mask, feats.astype(jnp.float32), labels, (jnp.asarray(first), nq)
+    )
+    (l1, m1), g1 = jax.value_and_grad(full, has_aux=True)(tr.params)
+    (l2, m2), g2 = jax.value_and_grad(part, has_aux=True)(tr.params)
+    assert float(l1) > 0 and abs(float(l1) - float(l2)) < 1e-4 * float(l1)
+    for k in m1:
+        assert abs(float(m1[k]) - float(m2[k])) < 1e-4, (k, m1[k], m2[k])
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-5 * float(np.abs(a).max() + 1e-9))
 
 
 def test_bad_settings_are_refused(dirs):
@@ -178,6 +270,8 @@ def test_the_server_shows_and_saves_the_head(served, tmp_path):
         assert status == 200 and info["draft_version"] == 0
         state = info["internal_states"][0]
         assert state["online_train_buffer"] + state["online_train_held_out"] >= 6  # (and start-up's own requests)
+        # the features the server read back from its slots are the target's (prefix cache included)
+        check_kept_features(srv.sched.eng, 6)
         status, text, _ = srv.request("GET", "/metrics")
         assert "jaxspec:draft_version" in text and "jaxspec:online_train_steps_total" in text
         status, out, _ = srv.request("POST", "/save_draft", {"path": str(tmp_path / "head")})

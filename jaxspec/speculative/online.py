@@ -1,14 +1,17 @@
 """Online draft training: an EAGLE-3 head that learns from the traffic it serves
 (`speculative_online_train`, `--speculative-online-train`).
 
-Every finished request (its prompt and output token ids) goes into a bounded buffer; every
-HOLDOUT-th one is held back instead, for scoring. A background thread trains a copy of the head
-in use with `train-draft`'s update (jaxspec/train/trainer.py: the frozen target's features are
-computed for each batch, EAGLE-3's training-time-test loss) on batches drawn from the buffer. It
-spends at most `speculative_online_train_share` of the wall time training (it sleeps the rest), so
-serving keeps the other share. Every `speculative_online_train_swap_every` steps it scores the copy
-and the weights in use on the held-back slice by the accept length a chain of the tree's depth
-would get from their per-depth top-1 agreement with the target:
+Every finished request goes into a bounded buffer (every HOLDOUT-th one is held back instead, for
+scoring): its last MAX_LEN tokens and the target's features at their positions, read back from
+the draft cache, where serving kept them (EagleProposer.keep_features): verification computed
+them already, so training runs no target forward. A background thread trains a copy of the head
+in use with `train-draft`'s EAGLE-3 training-time-test loss (jaxspec/train/trainer.py) on
+batches drawn from the buffer, the labels being the tokens served (the target's own: its argmax
+at temperature 0, its samples otherwise). It spends at most `speculative_online_train_share` of
+the wall time training (it sleeps the rest), so serving keeps the other share. Every
+`speculative_online_train_swap_every` steps it scores the copy and the weights in use on the
+held-back slice by the accept length a chain of the tree's depth would get from their per-depth
+top-1 agreement with the served tokens:
     1 + a_0 + a_0 a_1 + ... + a_0 ... a_{k-1}.
 When the copy scores higher, it is written in the public EAGLE-3 layout and loaded like any draft,
 and the engine's draft weights are replaced between dispatches (`Engine.swap_draft`). The programs
@@ -28,6 +31,7 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -49,6 +53,66 @@ HOLDOUT_MAX = 64  # scoring uses the most recent this many held-back requests
 MIN_EXAMPLES = 16  # training starts once the buffer holds this many requests
 BATCH = 8  # requests per training step
 MAX_LEN = 512  # tokens per training sequence (longer requests are cut)
+
+
+def feature_window(total: int, cols: int) -> tuple[int, int]:
+    """Where to read a finished request's features from a slot of `cols` cache columns: (first
+    column, columns) of a fixed-size read covering the positions training uses, [max(0, total -
+    MAX_LEN), total - 2) for a request of `total` tokens."""
+    size = min(MAX_LEN, cols)
+    return min(max(0, total - MAX_LEN), cols - size), size
+
+
+@functools.partial(jax.jit, static_argnames=("size",))
+def read_features(layer, slot, first, size: int):
+    """Columns [first, first + size) of one slot of the draft cache's feature layer [B, S, 1, F]
+    -> [size, F]. A read-only program: the cache is not donated, later writes wait for it."""
+    f = layer.shape[-1]
+    return jax.lax.dynamic_slice(layer, (slot, first, 0, 0), (1, size, 1, f))[0, :, 0]
+
+
+@dataclasses.dataclass
+class Served:
+    """A finished request as online training keeps it: ids [n] (its last MAX_LEN tokens), mask [n]
+    (1 at output tokens) and the target features at its first n - 2 positions (the draft's input at
+    the rows that have a token two ahead): rows `row` .. `row` + n - 2 of `feats`, an array
+    still being computed when it arrives, [n - 2, F] on the host once the training thread has
+    read it."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+    feats: Any
+    row: int = 0
+
+    def features(self) -> np.ndarray:
+        if self.row or not isinstance(self.feats, np.ndarray):
+            n = len(self.ids) - 2
+            self.feats, self.row = np.asarray(jax.device_get(self.feats[self.row : self.row + n])), 0
+        return self.feats
+
+
+def pad_served(recs: list[Served], length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """-> ids [B, length] int32, mask [B, length] float32, feats [B, length, F] (0 on padding)."""
+    fs = [r.features() for r in recs]
+    ids = np.zeros((len(recs), length), np.int32)
+    mask = np.zeros((len(recs), length), np.float32)
+    feats = np.zeros((len(recs), length, fs[0].shape[-1]), fs[0].dtype)
+    for i, (r, f) in enumerate(zip(recs, fs)):
+        ids[i, : len(r.ids)] = r.ids
+        mask[i, : len(r.mask)] = r.mask
+        feats[i, : len(f)] = f
+    return ids, mask, feats
+
+
+def query_rows(recs: list[Served], length: int, depth: int) -> tuple[np.ndarray | None, int | None]:
+    """The rows a training-time test of `depth` steps scores in a batch padded to `length`: per
+    request from `depth` + 1 rows before its first output token to its end. -> (first row [B],
+    rows Q: a power of two, at least 32) for losses.eagle3_ttt_loss, or (None, None) when Q would
+    be every row."""
+    first = np.asarray([max(0, int(np.argmax(r.mask > 0)) - depth - 1) for r in recs], np.int32)
+    need = max(len(r.ids) - 2 - f for r, f in zip(recs, first))
+    nq = max(32, 1 << (max(int(need), 1) - 1).bit_length())
+    return (None, None) if nq >= length - 1 else (first, nq)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,17 +183,20 @@ class OnlineTrainer:
 
     # ---- traffic --------------------------------------------------------------------------------
 
-    def observe(self, prompt_ids: list[int], output_ids: list[int]) -> None:
-        """A finished request: into the training buffer or the held-back slice. Never blocks on training."""
-        from jaxspec.train.data import Example
-
+    def observe(self, prompt_ids: list[int], output_ids: list[int], feats, first: int = 0) -> None:
+        """A finished request: into the training buffer or the held-back slice. feats: the target
+        features serving kept for it (row j: position first + j; at least the positions
+        [max(0, n - MAX_LEN), n - 2) of its n tokens), a device array whose computation may still
+        be running (it is read by the training thread). Never blocks on training or the device."""
         ids = [int(t) for t in prompt_ids] + [int(t) for t in output_ids]
-        if not output_ids or len(ids) < 2:
+        if not output_ids or len(ids) < 3:
             return
-        ex = Example(ids[:MAX_LEN], ([0] * len(prompt_ids) + [1] * len(output_ids))[:MAX_LEN])
+        start = max(0, len(ids) - MAX_LEN)
+        mask = [0] * len(prompt_ids) + [1] * len(output_ids)
+        rec = Served(np.asarray(ids[start:], np.int32), np.asarray(mask[start:], np.float32), feats, start - first)
         with self.lock:
             self.seen += 1
-            (self.held if self.seen % HOLDOUT == 0 else self.examples).append(ex)
+            (self.held if self.seen % HOLDOUT == 0 else self.examples).append(rec)
             ready = len(self.examples) >= MIN_EXAMPLES and len(self.held) >= 2
         if ready and self._thread is None and not self._stop.is_set():
             self._thread = threading.Thread(target=self._run, name="jaxspec-online-train", daemon=True)
@@ -167,8 +234,10 @@ class OnlineTrainer:
             algorithm="EAGLE3", steps=10**9, batch_size=BATCH, max_len=MAX_LEN, lr=self.cfg.lr, warmup=0,
             ttt_steps=self.depth, save_every=10**9,
         )  # fmt: skip
+        from jaxspec.train.data import Example
+
         with self.lock:
-            examples = list(self.examples)
+            examples = [Example(list(r.ids), list(r.mask)) for r in self.examples]
         tcfg = _head_config(self.head_path)
         self._dir = tempfile.mkdtemp(prefix="jaxspec-online-")
         atexit.register(shutil.rmtree, self._dir, True)
@@ -194,21 +263,20 @@ class OnlineTrainer:
 
     def train_steps(self, n: int) -> None:
         """n updates of the copy on batches drawn from the buffer (failures dropped and counted)."""
-        from jaxspec.train.data import pad_batch
-
         tr = self._trainer or self._build()
         self._trainer = tr
         for _ in range(n):
             with self.lock:
                 pool = list(self.examples)
             batch = [pool[i] for i in self._rng.choice(len(pool), size=min(BATCH, len(pool)), replace=False)]
-            length = tr._padded_len(max(len(e.ids) for e in batch))
-            ids, mask = pad_batch(batch, length)
             backup = jax.tree.map(jnp.copy, (tr.params, tr.opt_state))  # the update donates its inputs
             try:
-                params, opt, loss, _ = tr._update(
+                length = tr._padded_len(max(len(r.ids) for r in batch))
+                ids, mask, feats = pad_served(batch, length)
+                first, nq = query_rows(batch, length, self.depth)
+                params, opt, loss, _ = tr.update_given(
                     tr.params, tr.opt_state, tr.rest, tr._tgt_params, jnp.asarray(ids), jnp.asarray(mask),
-                    jnp.float32(self.cfg.lr),
+                    jnp.asarray(feats), jnp.float32(self.cfg.lr), None if first is None else jnp.asarray(first), nq=nq,
                 )  # fmt: skip
                 if not math.isfinite(float(loss)):
                     raise FloatingPointError(f"loss {float(loss)}")
@@ -241,20 +309,19 @@ class OnlineTrainer:
         )  # fmt: skip
         return swap
 
-    def _scores(self, tr, held: list, heads: tuple) -> list[float]:
-        """Each head's expected accept length on `held`: the target's features computed once per batch,
-        batches padded to their length bucket."""
-        from jaxspec.train.data import pad_batch
-
+    def _scores(self, tr, held: list[Served], heads: tuple) -> list[float]:
+        """Each head's expected accept length on `held`, batches padded to their length bucket."""
         sums = [np.zeros(self.depth) for _ in heads]
         batches = 0
         for s in range(0, len(held), BATCH):
             part = held[s : s + BATCH]
-            ids_np, mask_np = pad_batch(part, tr._padded_len(max(len(e.ids) for e in part)))
-            ids, mask = jnp.asarray(ids_np), jnp.asarray(mask_np)
-            feats, tlogits = tr._features(tr._tgt_params, ids)
+            length = tr._padded_len(max(len(r.ids) for r in part))
+            batch = [jnp.asarray(x) for x in pad_served(part, length)]
+            first, nq = query_rows(part, length, self.depth)
             for acc, params in zip(sums, heads):
-                _, m = tr._eval_loss(params, tr.rest, tr._tgt_params, ids, mask, feats, tlogits)
+                _, m = tr.eval_given(
+                    params, tr.rest, tr._tgt_params, *batch, None if first is None else jnp.asarray(first), nq=nq
+                )
                 acc += [float(m[f"acc_{i}"]) for i in range(self.depth)]
             batches += 1
         return [float(expected_accept(list(acc / max(batches, 1)))) for acc in sums]

@@ -10,6 +10,11 @@ EAGLE-3 (training-time test, the paper's recipe): step 0 feeds fc(f_p); step k f
 own step k-1 output, and row p attends to step-0 keys of rows <= p plus its own keys of steps
 1..k: exactly what a depth-k draft node sees at inference (committed prefix + its ancestors).
 Step k's loss is weighted 0.8^k. The target distribution is restricted to the draft vocabulary.
+Instead of the target's logits, the loss may take labels: the draft-vocabulary index of each next
+token x_{p+1} (-1 outside the draft vocabulary), the target's own tokens, as online training
+has them from what it served (a greedy token is the target's argmax; a sampled one, a draw
+from its distribution): cross-entropy against that one token, and a row whose token the draft
+vocabulary lacks counts as a miss.
 
 EAGLE-1/2: one step; smooth-L1 regression of the draft output onto f_{p+1} plus 0.1 x the
 cross-entropy against the target distribution through the target's LM head.
@@ -47,10 +52,30 @@ def _acc(logits, target_logits, w):
     return (hit * w).sum() / jnp.maximum(w.sum(), 1.0)
 
 
-def eagle3_ttt_loss(head, embed, tokens, feats, target_logits, mask, steps: int):
+def _hard_ce(logits, labels, w):
+    """Mean over weighted rows whose label is in the draft vocabulary of -log p(label);
+    logits [B, T, Vd]; labels [B, T] int (-1: outside); w [B, T]."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+    ce = -jnp.take_along_axis(lp, jnp.maximum(labels, 0)[..., None], -1)[..., 0]
+    w = w * (labels >= 0)
+    return (ce * w).sum() / jnp.maximum(w.sum(), 1.0)
+
+
+def _hard_acc(logits, labels, w):
+    hit = jnp.argmax(logits, -1) == labels
+    return (hit * w).sum() / jnp.maximum(w.sum(), 1.0)
+
+
+def eagle3_ttt_loss(head, embed, tokens, feats, target_logits, mask, steps: int, rows=None):
     """head: Eagle3Head; embed: [V, H] target embedding; tokens [B, L]; feats [B, L, 3H];
-    target_logits [B, L, Vd] (target logits restricted to the draft vocabulary); mask [B, L].
+    target_logits [B, L, Vd] (target logits restricted to the draft vocabulary) or labels [B, L]
+    int (the draft-vocabulary index of x_{p+1}, -1 outside it); mask [B, L].
+    rows: None, or (first [B] int, Q static): only the rows first_b .. first_b + Q - 1 (moved
+    back to fit in the sequence) are queried and scored; the others only give step 0's keys and
+    values. The same loss when every row with a label lies in that window (online training:
+    the output tokens and the few rows before them), at the cost of Q rows instead of L.
     Returns (loss, {"loss_k", "acc_k"} per step)."""
+    hard = target_logits.ndim == 2
     cfg = head.cfg
     b, length = tokens.shape
     t = length - 1  # rows p = 0 .. L-2 have a next token
@@ -59,21 +84,33 @@ def eagle3_ttt_loss(head, embed, tokens, feats, target_logits, mask, steps: int)
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     g = nh // nkv
     inv = jnp.asarray(rope_inv_freq(cfg))
-    h = head.fc(feats[:, :t].astype(embed.dtype))
-    causal = jnp.tril(jnp.ones((t, t), bool))
+    h_all = head.fc(feats[:, :t].astype(embed.dtype))
+    every = jnp.broadcast_to(jnp.arange(t), (b, t))
+    if rows is None:
+        nq, idx = t, every
+        pick = lambda x: x
+        causal = jnp.tril(jnp.ones((t, t), bool))
+    else:
+        first, nq = rows
+        idx = jnp.clip(first, 0, t - nq)[:, None] + jnp.arange(nq)[None, :]  # [B, Q]
+        pick = lambda x: jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), 1)
+        causal = (idx[:, :, None] >= jnp.arange(t)[None, None, :])[:, None, None]  # [B, 1, 1, Q, L-1]
+    h = pick(h_all)
     ks, vs = [], []
     total = 0.0
     metrics = {}
+    scale = d**-0.5
     for k in range(steps):
-        emb = embed[_shift(tokens, k + 1, t)]
-        pos = jnp.broadcast_to(jnp.arange(t) + k, (b, t))
-        x = jnp.concatenate([m.input_layernorm(emb), m.hidden_norm(h)], -1)
+        if k == 0:  # every row: step 0's keys and values are every later row's context
+            emb, hid, pos = embed[_shift(tokens, 1, t)], h_all, every
+        else:
+            emb, hid, pos = embed[pick(_shift(tokens, k + 1, t))], h, idx + k
+        x = jnp.concatenate([m.input_layernorm(emb), m.hidden_norm(hid)], -1)
         q, kk, vv = at.project(x)
-        q = apply_rope(q, pos, inv).reshape(b, t, nkv, g, d)
-        kk = apply_rope(kk, pos, inv)
-        ks.append(kk)
+        q = pick(apply_rope(q, pos, inv)) if k == 0 else apply_rope(q, pos, inv)
+        q = q.reshape(b, nq, nkv, g, d)
+        ks.append(apply_rope(kk, pos, inv))
         vs.append(vv)
-        scale = d**-0.5
         s0 = jnp.einsum("btkgd,bskd->bkgts", q, ks[0]) * scale
         s0 = jnp.where(causal, s0, -jnp.inf)
         sd = [jnp.einsum("btkgd,btkd->bkgt", q, ks[j])[..., None] * scale for j in range(1, k + 1)]
@@ -81,15 +118,15 @@ def eagle3_ttt_loss(head, embed, tokens, feats, target_logits, mask, steps: int)
         out = jnp.einsum("bkgts,bskd->btkgd", p[..., :t], vs[0])
         for j in range(1, k + 1):
             out = out + jnp.einsum("bkgt,btkd->btkgd", p[..., t + j - 1], vs[j])
-        residual = at.o_proj(out.reshape(b, t, nh * d)) + h
+        residual = at.o_proj(out.reshape(b, nq, nh * d)) + h
         o = m.mlp(m.post_attention_layernorm(residual)) + residual
         logits = head.logits(head.norm(o))
-        tl = _shift(target_logits, k + 1, t)
-        w = _shift(mask, k + 2, t)
-        lk = _soft_ce(logits, tl, w)
+        tl = pick(_shift(target_logits, k + 1, t))
+        w = pick(_shift(mask, k + 2, t))
+        lk = _hard_ce(logits, tl, w) if hard else _soft_ce(logits, tl, w)
         total = total + TTT_DECAY**k * lk
         metrics[f"loss_{k}"] = lk
-        metrics[f"acc_{k}"] = _acc(logits, tl, w)
+        metrics[f"acc_{k}"] = _hard_acc(logits, tl, w) if hard else _acc(logits, tl, w)
         h = o
     return total, metrics
 

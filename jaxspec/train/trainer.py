@@ -187,6 +187,9 @@ class Trainer:
         self._features = jax.jit(self._features_impl)
         self._update = jax.jit(self._update_impl, donate_argnums=(0, 1))
         self._eval_loss = jax.jit(self._loss)  # one program for every evaluation (held-out, per category)
+        # the same on features computed elsewhere (online training: the server's), against the tokens
+        self.update_given = jax.jit(self._update_given_impl, donate_argnums=(0, 1), static_argnames=("nq",))
+        self.eval_given = jax.jit(self._eval_given_impl, static_argnames=("nq",))
 
     # ---- jitted pieces --------------------------------------------------------------------------
 
@@ -202,12 +205,12 @@ class Trainer:
         logits = jnp.einsum("blh,vh->blv", h, w[jnp.asarray(self.ids)], preferred_element_type=jnp.float32)
         return jnp.concatenate(list(cap), -1), logits
 
-    def _loss(self, params, rest, tparams, ids, mask, feats, tlogits):
+    def _loss(self, params, rest, tparams, ids, mask, feats, tlogits, rows=None):
         head = nnx.merge(self.graphdef, params, rest)
         tgt = nnx.merge(self._tgt_graphdef, tparams)
         embed = jax.lax.stop_gradient(tgt.embed_tokens[...])
         if self.ids is not None:
-            return eagle3_ttt_loss(head, embed, ids, feats, tlogits, mask, self.cfg.ttt_steps)
+            return eagle3_ttt_loss(head, embed, ids, feats, tlogits, mask, self.cfg.ttt_steps, rows)
         return eagle2_loss(head, embed, tgt.logits, ids, feats, tlogits, mask)
 
     def _update_impl(self, params, opt_state, rest, tparams, ids, mask, lr):
@@ -215,9 +218,37 @@ class Trainer:
         (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(
             params, rest, tparams, ids, mask, feats, tlogits
         )
+        return self._apply(params, opt_state, grads, lr) + (loss, metrics)
+
+    def _apply(self, params, opt_state, grads, lr):
+        """AdamW's step at learning rate lr -> (params, opt_state)."""
         updates, opt_state = self.tx.update(grads, opt_state, params)
         updates = jax.tree.map(lambda u: -lr * u, updates)
-        return optax.apply_updates(params, updates), opt_state, loss, metrics
+        return optax.apply_updates(params, updates), opt_state
+
+    def _labels(self, ids):
+        """The draft-vocabulary index of each next token [B, L] (-1 outside it; the last column's
+        is never used)."""
+        assert self.ids is not None, "labels are EAGLE-3's"
+        lut = jnp.full((self.target.cfg.vocab_size,), -1, jnp.int32)
+        lut = lut.at[jnp.asarray(self.ids)].set(jnp.arange(len(self.ids), dtype=jnp.int32))
+        return lut[jnp.pad(ids[:, 1:], ((0, 0), (0, 1)))]
+
+    def _eval_given_impl(self, params, rest, tparams, ids, mask, feats, first=None, nq=None):
+        """EAGLE-3 loss and metrics on given features [B, L, F] (any float dtype), labels the tokens;
+        with first [B] and nq, only rows first .. first + nq - 1 scored (losses.eagle3_ttt_loss rows)."""
+        rows = None if nq is None else (first, nq)
+        return self._loss(params, rest, tparams, ids, mask, feats.astype(jnp.float32), self._labels(ids), rows)
+
+    def _update_given_impl(self, params, opt_state, rest, tparams, ids, mask, feats, lr, first=None, nq=None):
+        """One update on given features [B, L, F] (no target forward), labels the tokens; first / nq
+        as in _eval_given_impl."""
+        labels = self._labels(ids)
+        rows = None if nq is None else (first, nq)
+        (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(
+            params, rest, tparams, ids, mask, feats.astype(jnp.float32), labels, rows
+        )
+        return self._apply(params, opt_state, grads, lr) + (loss, metrics)
 
     def lr_at(self, step: int) -> float:
         """Linear warmup to cfg.lr, then cosine decay to a tenth of it at `self.planned` steps."""

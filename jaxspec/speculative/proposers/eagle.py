@@ -39,9 +39,39 @@ from jaxspec.speculative.proposers.base import DraftState, Proposer, load_token_
 logger = logging.getLogger("jaxspec")
 
 
+FEATURE_DTYPE = jnp.bfloat16  # the target features kept for online draft training
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class EagleProposer(Proposer):
+    """keep_features (online draft training): the draft cache holds one more layer after the
+    head's, whose keys [B, S, 1, F] keep each entry's target feature (the draft's input h_p at
+    entry p, in FEATURE_DTYPE; values [B, S, 1, 1] unused), so that a finished request's features
+    can be read back instead of recomputed by a second target forward."""
+
     eagle3: bool = False
+    keep_features: bool = False
+
+    @property
+    def feature_layer(self) -> int:
+        """The draft cache layer that keeps the target features (keep_features)."""
+        return self.cfg.num_layers
+
+    def make_cache(self, batch, max_len, dtype):
+        cache = super().make_cache(batch, max_len, dtype)
+        if not self.keep_features:
+            return cache
+        width = (len(self.capture_layers) or 1) * self.cfg.hidden_size
+        feats = jnp.zeros((batch, max_len, 1, width), FEATURE_DTYPE)
+        unused = jnp.zeros((batch, max_len, 1, 1), FEATURE_DTYPE)
+        return dataclasses.replace(cache, k=cache.k + (feats,), v=cache.v + (unused,))
+
+    def _keep(self, cache, feats, start):
+        """Writes feats [B, T, F] at entries start + t of the feature layer (keep_features)."""
+        if not self.keep_features:
+            return cache
+        blank = jnp.zeros(feats.shape[:2] + (1, 1), FEATURE_DTYPE)
+        return cache.write(self.feature_layer, feats[:, :, None, :], blank, start)
 
     def features(self, h, captured):
         if self.eagle3:  # [3, B, T, H] -> [B, T, 3H]
@@ -73,6 +103,7 @@ class EagleProposer(Proposer):
         cache = dataclasses.replace(cache, lengths=jnp.full((b,), start, jnp.int32))
         pos = start + jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, c))
         _, _, _, cache = self._run(dparams, tgt, cache, tokens, feats, pos)
+        cache = self._keep(cache, feats, cache.lengths)
         return dataclasses.replace(cache, lengths=jnp.clip(commit_lens, 0, start + c).astype(jnp.int32))
 
     def extend(self, dparams, tgt, state, tokens, feats, n_block, active):
@@ -80,6 +111,7 @@ class EagleProposer(Proposer):
         b, t = tokens.shape
         pos = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         head, lh, fb, cache = self._run(dparams, tgt, cache, tokens, feats, pos, backend=self.extend_backend)
+        cache = self._keep(cache, feats, cache.lengths)
         root = self._probs(dparams, tgt, head, pick_rows(lh, n_block - 1))
         root_h = pick_rows(fb, n_block - 1).astype(state.root_hidden.dtype)
         cache = dataclasses.replace(cache, lengths=cache.lengths + jnp.where(active, n_block, 0))
