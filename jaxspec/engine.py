@@ -61,7 +61,7 @@ from jaxspec.speculative.adaptive import Adaptive, shape_label
 from jaxspec.speculative.loop import spec_block, spec_prefill_chunk, spec_start
 from jaxspec.speculative.online import OnlineConfig, OnlineTrainer
 from jaxspec.speculative.proposers import Proposer
-from jaxspec.speculative.proposers.eagle import EagleProposer
+from jaxspec.speculative.proposers.eagle import EagleProposer, unpack_features
 from jaxspec.speculative.proposers.ngram import Corpus
 from jaxspec.weights import Models
 
@@ -541,7 +541,7 @@ class Engine:
             state, used = self._adaptive_blocks(models, state, st, max_new_d, stop_d, sampled, n)
         res = jax.device_get((state.out, state.num_out, state.finish, state.verify_ct, state.hist, state.lps))
         # the target features the draft cache kept, [b, S, F] (online draft training)
-        feats = None if self.online is None else state.draft.cache.k[prop.feature_layer][:, :, 0]
+        feats = None if self.online is None else unpack_features(state.draft.cache.k[prop.feature_layer][:, :, 0])
         return res, used, feats
 
     def _adaptive_blocks(self, models: Models, state, st, max_new_d, stop_d, sampled, n):

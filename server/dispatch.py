@@ -281,7 +281,8 @@ class Dispatch(SchedulerState):
     def _learn(self, r: Request) -> None:
         """(lock held) Hands a finished request to online draft training with the target features its
         slot's draft cache kept, read by a program enqueued now (before any later call can take
-        the slot); its slot's pages wait for that read (release_tails)."""
+        the slot); handing back its slot's pages waits for that read where they hold columns it
+        uses (release_tails)."""
         online = self.eng.online
         total = len(r.ids) + len(r.out_ids)
         if online is None or self.batch is None or r.slot < 0 or not r.out_ids or total < 3:
@@ -289,7 +290,7 @@ class Dispatch(SchedulerState):
         layer = self.feature_layer()
         first, size = feature_window(total, layer.shape[1])
         feats = read_features(layer, jnp.int32(r.slot), jnp.int32(first), size=size)
-        self.feature_reads[r.slot] = (feats, first + size)
+        self.feature_reads[r.slot] = (feats, total - 2)  # (the columns it reads past that are not used)
         online.observe(r.ids, r.out_ids, feats, first)
 
     def _ngram_add(self, r: Request) -> None:

@@ -86,7 +86,7 @@ class SchedulerState:
         self._slot_handle: dict[int, int] = {}  # slot -> the matcher handle of its latest request
         self.finished_slots: list[int] = []  # slots freed since the last release_tails()
         # online draft training (scheduler thread): slot -> (the read of its finished request's target
-        # features, the column it ends at); its pages are not handed back before the read is done
+        # features, the end of the columns it uses); those pages are not handed back before the read is done
         self.feature_reads: dict[int, tuple[jax.Array, int]] = {}
         self.overlap = overlap
         self.max_queued = max_queued_requests

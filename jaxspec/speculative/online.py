@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.errors import JaxspecError
+from jaxspec.speculative.proposers.eagle import unpack_features
 
 logger = logging.getLogger(__name__)
 HOLDOUT = 5  # every HOLDOUT-th finished request is held back for scoring
@@ -66,9 +67,9 @@ def feature_window(total: int, cols: int) -> tuple[int, int]:
 @functools.partial(jax.jit, static_argnames=("size",))
 def read_features(layer, slot, first, size: int):
     """Columns [first, first + size) of one slot of the draft cache's feature layer [B, S, 1, F]
-    -> [size, F]. A read-only program: the cache is not donated, later writes wait for it."""
+    -> [size, F] bfloat16. A read-only program: the cache is not donated, later writes wait for it."""
     f = layer.shape[-1]
-    return jax.lax.dynamic_slice(layer, (slot, first, 0, 0), (1, size, 1, f))[0, :, 0]
+    return unpack_features(jax.lax.dynamic_slice(layer, (slot, first, 0, 0), (1, size, 1, f))[0, :, 0])
 
 
 @dataclasses.dataclass
@@ -85,8 +86,9 @@ class Served:
     row: int = 0
 
     def features(self) -> np.ndarray:
-        if self.row or not isinstance(self.feats, np.ndarray):
-            n = len(self.ids) - 2
+        """[n - 2, F] on the host (waits for the read the first time)."""
+        n = len(self.ids) - 2
+        if self.row or not isinstance(self.feats, np.ndarray) or len(self.feats) != n:
             self.feats, self.row = np.asarray(jax.device_get(self.feats[self.row : self.row + n])), 0
         return self.feats
 
@@ -268,6 +270,9 @@ class OnlineTrainer:
         for _ in range(n):
             with self.lock:
                 pool = list(self.examples)
+                held = list(self.held)
+            for r in pool + held:  # the reads that arrived: onto the host, cut to the rows used
+                r.features()
             batch = [pool[i] for i in self._rng.choice(len(pool), size=min(BATCH, len(pool)), replace=False)]
             backup = jax.tree.map(jnp.copy, (tr.params, tr.opt_state))  # the update donates its inputs
             try:

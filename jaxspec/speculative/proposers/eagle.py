@@ -39,15 +39,23 @@ from jaxspec.speculative.proposers.base import DraftState, Proposer, load_token_
 logger = logging.getLogger("jaxspec")
 
 
-FEATURE_DTYPE = jnp.bfloat16  # the target features kept for online draft training
+# The target features kept for online draft training: bfloat16, stored as their bits (uint16):
+# XLA:CPU has no bfloat16 scatter and would convert the whole buffer to float32 and back at every
+# write (two passes over hundreds of MB per round), while an integer scatter writes in place.
+FEATURE_BITS = jnp.uint16
+
+
+def unpack_features(bits):
+    """Kept features as stored (uint16) -> bfloat16 (same shape)."""
+    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class EagleProposer(Proposer):
     """keep_features (online draft training): the draft cache holds one more layer after the
     head's, whose keys [B, S, 1, F] keep each entry's target feature (the draft's input h_p at
-    entry p, in FEATURE_DTYPE; values [B, S, 1, 1] unused), so that a finished request's features
-    can be read back instead of recomputed by a second target forward."""
+    entry p, bfloat16 bits: FEATURE_BITS; values [B, S, 1, 1] unused), so that a finished
+    request's features can be read back instead of recomputed by a second target forward."""
 
     eagle3: bool = False
     keep_features: bool = False
@@ -62,16 +70,17 @@ class EagleProposer(Proposer):
         if not self.keep_features:
             return cache
         width = (len(self.capture_layers) or 1) * self.cfg.hidden_size
-        feats = jnp.zeros((batch, max_len, 1, width), FEATURE_DTYPE)
-        unused = jnp.zeros((batch, max_len, 1, 1), FEATURE_DTYPE)
+        feats = jnp.zeros((batch, max_len, 1, width), FEATURE_BITS)
+        unused = jnp.zeros((batch, max_len, 1, 1), FEATURE_BITS)
         return dataclasses.replace(cache, k=cache.k + (feats,), v=cache.v + (unused,))
 
     def _keep(self, cache, feats, start):
         """Writes feats [B, T, F] at entries start + t of the feature layer (keep_features)."""
         if not self.keep_features:
             return cache
-        blank = jnp.zeros(feats.shape[:2] + (1, 1), FEATURE_DTYPE)
-        return cache.write(self.feature_layer, feats[:, :, None, :], blank, start)
+        bits = jax.lax.bitcast_convert_type(feats.astype(jnp.bfloat16), FEATURE_BITS)
+        blank = jnp.zeros(feats.shape[:2] + (1, 1), FEATURE_BITS)
+        return cache.write(self.feature_layer, bits[:, :, None, :], blank, start)
 
     def features(self, h, captured):
         if self.eagle3:  # [3, B, T, H] -> [B, T, 3H]
