@@ -86,10 +86,11 @@ class Served:
     row: int = 0
 
     def features(self) -> np.ndarray:
-        """[n - 2, F] on the host (waits for the read the first time)."""
+        """[n - 2, F] on the host (waits for the read the first time). The rows are cut on the host:
+        a device slice would compile a program for every request length."""
         n = len(self.ids) - 2
         if self.row or not isinstance(self.feats, np.ndarray) or len(self.feats) != n:
-            self.feats, self.row = np.asarray(jax.device_get(self.feats[self.row : self.row + n])), 0
+            self.feats, self.row = np.asarray(jax.device_get(self.feats))[self.row : self.row + n].copy(), 0
         return self.feats
 
 
@@ -276,13 +277,11 @@ class OnlineTrainer:
             batch = [pool[i] for i in self._rng.choice(len(pool), size=min(BATCH, len(pool)), replace=False)]
             backup = jax.tree.map(jnp.copy, (tr.params, tr.opt_state))  # the update donates its inputs
             try:
-                length = tr._padded_len(max(len(r.ids) for r in batch))
-                ids, mask, feats = pad_served(batch, length)
-                first, nq = query_rows(batch, length, self.depth)
+                args, nq = self._batch(tr, batch)
+                lr = jnp.float32(self.cfg.lr)
                 params, opt, loss, _ = tr.update_given(
-                    tr.params, tr.opt_state, tr.rest, tr._tgt_params, jnp.asarray(ids), jnp.asarray(mask),
-                    jnp.asarray(feats), jnp.float32(self.cfg.lr), None if first is None else jnp.asarray(first), nq=nq,
-                )  # fmt: skip
+                    tr.params, tr.opt_state, tr.rest, tr._tgt_params, lr, *args, nq=nq
+                )
                 if not math.isfinite(float(loss)):
                     raise FloatingPointError(f"loss {float(loss)}")
                 tr.params, tr.opt_state = params, opt
@@ -319,17 +318,26 @@ class OnlineTrainer:
         sums = [np.zeros(self.depth) for _ in heads]
         batches = 0
         for s in range(0, len(held), BATCH):
-            part = held[s : s + BATCH]
-            length = tr._padded_len(max(len(r.ids) for r in part))
-            batch = [jnp.asarray(x) for x in pad_served(part, length)]
-            first, nq = query_rows(part, length, self.depth)
+            args, nq = self._batch(tr, held[s : s + BATCH])
             for acc, params in zip(sums, heads):
-                _, m = tr.eval_given(
-                    params, tr.rest, tr._tgt_params, *batch, None if first is None else jnp.asarray(first), nq=nq
-                )
+                _, m = tr.eval_given(params, tr.rest, tr._tgt_params, *args, nq=nq)
                 acc += [float(m[f"acc_{i}"]) for i in range(self.depth)]
             batches += 1
         return [float(expected_accept(list(acc / max(batches, 1)))) for acc in sums]
+
+    def _batch(self, tr, recs: list[Served]) -> tuple[tuple, int | None]:
+        """((ids, mask, feats, first row or None) on the device, rows Q or None) for the trainer's
+        update_given / eval_given: recs padded to their length bucket, the rows scored chosen
+        (query_rows)."""
+        length = tr._padded_len(max(len(r.ids) for r in recs))
+        ids, mask, feats = pad_served(recs, length)
+        first, nq = query_rows(recs, length, self.depth)
+        return (
+            jnp.asarray(ids),
+            jnp.asarray(mask),
+            jnp.asarray(feats),
+            None if first is None else jnp.asarray(first),
+        ), nq
 
     def _swap_in(self, params) -> None:
         tr = self._trainer

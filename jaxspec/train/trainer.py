@@ -240,7 +240,7 @@ class Trainer:
         rows = None if nq is None else (first, nq)
         return self._loss(params, rest, tparams, ids, mask, feats.astype(jnp.float32), self._labels(ids), rows)
 
-    def _update_given_impl(self, params, opt_state, rest, tparams, ids, mask, feats, lr, first=None, nq=None):
+    def _update_given_impl(self, params, opt_state, rest, tparams, lr, ids, mask, feats, first=None, nq=None):
         """One update on given features [B, L, F] (no target forward), labels the tokens; first / nq
         as in _eval_given_impl."""
         labels = self._labels(ids)
