@@ -221,7 +221,7 @@ class SpeculativeArgs:
         "every token)",
     )
     speculative_online_train_buffer: int = flag(512, "online training: finished requests kept (oldest dropped)")
-    speculative_online_train_lr: float = flag(1e-4, "online training: learning rate (AdamW)")
+    speculative_online_train_lr: float = flag(3e-4, "online training: learning rate (AdamW)")
     speculative_online_train_share: float = flag(
         0.25, "online training: at most this share of wall time spent training"
     )

@@ -10,9 +10,27 @@ import numpy as np
 import pytest
 
 from jaxspec.errors import JaxspecError
-from jaxspec.train.vocab import coverage, extend_head, fit_row_map, token_counts, vocab_for_coverage
+from jaxspec.train.vocab import coverage, extend_head, fit_row_map, retarget, token_counts, vocab_for_coverage
 
 from helpers import make_hf_model, save_eagle_head
+
+
+def test_retarget_trades_unused_tokens_for_frequent_missing_ones():
+    have = np.arange(0, 40, 2)  # 20 even tokens of a 64-token vocabulary
+    counts = np.zeros(64, np.int64)
+    counts[[0, 2, 4]] = 5  # used, kept
+    counts[[1, 3, 5, 7]] = [9, 2, 7, 6]  # lacking: 1, 5 and 7 occur often enough (min_count 3), 3 does not
+    counts[50] = 4  # lacking too, the least frequent of those that qualify
+    vocab, src = retarget(have, counts, max_new=3, min_count=3, keep=[38])
+    assert len(vocab) == 20 and (np.diff(vocab) > 0).all()
+    assert set(vocab) - set(have) == {1, 5, 7}  # the most frequent three (50 waits: max_new)
+    assert set(have) - set(vocab) == {32, 34, 36}  # unused, the highest ids first, 38 kept as asked
+    assert (vocab[src >= 0] == have[src[src >= 0]]).all() and set(vocab[src < 0]) == {1, 5, 7}
+    same, src = retarget(have, counts, max_new=0)
+    assert (same == have).all() and (src == np.arange(20)).all()
+    counts[have] = 1  # every token of the vocabulary used: nothing to give up
+    same, src = retarget(have, counts, max_new=3, min_count=3)
+    assert (same == have).all() and (src >= 0).all()
 
 
 def test_vocab_for_coverage_picks_the_fewest_tokens_that_cover():

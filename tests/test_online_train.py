@@ -118,6 +118,50 @@ def test_a_failed_step_is_dropped(dirs, monkeypatch):
     assert eng.online.stats()["online_train_steps"] == 1
 
 
+def test_the_draft_vocabulary_follows_the_traffic(dirs):
+    """Tokens the served outputs use and the head's vocabulary lacks take the places of tokens no
+    output uses; a kept token keeps its LM-head row, a new one starts with fresh optimizer moments;
+    the head swapped in drafts over the new vocabulary, and output stays lossless."""
+    import jax.numpy as jnp
+
+    from jaxspec.speculative import online
+    from jaxspec.train.vocab import token_counts
+
+    eng = _engine(dirs, speculative_online_train=True, speculative_online_train_lr=1e-2)
+    eng.online.close()  # this test drives the steps itself
+    rng = np.random.default_rng(5)
+    probe = [list(rng.integers(0, V, 4)) for _ in range(6)]
+    eng.generate(input_ids=[list(rng.integers(0, V, 4)) for _ in range(60)], sampling_params=GREEDY)
+    eng.online.train_steps(1)
+    tr = eng.online._trainer
+    old, kernel = tr.ids.copy(), np.asarray(tr.params["lm_head"]["kernel"][...]).copy()
+    counts = token_counts([r.ids[r.mask > 0] for r in eng.online.examples], V)
+    assert eng.online.revise_vocab() > 0
+    new = tr.ids
+    assert len(new) == len(old) and (np.diff(new) > 0).all()
+    added, dropped = set(new) - set(old), set(old) - set(new)
+    assert added and all(counts[t] >= online.VOCAB_MIN_COUNT for t in added)
+    assert dropped and all(counts[t] == 0 for t in dropped) and len(added) == len(dropped)
+    moved = np.asarray(tr.params["lm_head"]["kernel"][...])
+    mu = np.asarray(tr.opt_state[1].mu["lm_head"]["kernel"][...])
+    for d, t in enumerate(new):
+        if t in added:
+            assert not mu[:, d].any()
+        else:
+            np.testing.assert_array_equal(moved[:, d], kernel[:, list(old).index(t)])
+    labels = np.asarray(tr._labels(jnp.asarray([[0, int(max(added))]]), jnp.asarray(new)))
+    assert labels[0, 0] == list(new).index(max(added))  # the new token is a label now
+    assert eng.online.stats()["online_train_vocab_replaced"] == len(added)
+
+    eng.online.train_steps(40)
+    assert eng.online.score_and_swap()
+    d2t = np.asarray(eng.dparams["draft"]["d2t"][...])
+    assert (d2t + np.arange(len(d2t)) == new).all()  # the engine drafts over the new vocabulary
+    plain = Engine(dirs[0], skip_tokenizer_init=True, show_progress=False, speculative_algorithm="NONE")
+    expect = [r["output_ids"] for r in plain.generate(input_ids=probe, sampling_params=GREEDY)]
+    assert _accept(eng, probe)[1] == expect
+
+
 def _recomputed(eng, ids) -> np.ndarray:
     """The target's EAGLE-3 features over ids [n] by a forward of its own -> [n, 3H]."""
     import jax.numpy as jnp

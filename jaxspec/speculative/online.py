@@ -13,6 +13,11 @@ the wall time training (it sleeps the rest), so serving keeps the other share. E
 held-back slice by the accept length a chain of the tree's depth would get from their per-depth
 top-1 agreement with the served tokens:
     1 + a_0 + a_0 a_1 + ... + a_0 ... a_{k-1}.
+The copy's draft vocabulary follows the traffic too (vocab.retarget): at the start and after every
+score, tokens the buffered outputs use at least VOCAB_MIN_COUNT times that the vocabulary lacks (a
+token outside it can never be drafted) take the places of tokens no buffered output uses, at most
+VOCAB_STEP at a time; their LM-head rows start as the target's rows through the linear map the head's
+own rows fit (vocab.mapped_rows) and are trained from there. The size stays, so nothing recompiles.
 When the copy scores higher, it is written in the public EAGLE-3 layout and loaded like any draft,
 and the engine's draft weights are replaced between dispatches (`Engine.swap_draft`). The programs
 take the draft's weights as arguments of the same shapes, so nothing recompiles.
@@ -54,6 +59,8 @@ HOLDOUT_MAX = 64  # scoring uses the most recent this many held-back requests
 MIN_EXAMPLES = 16  # training starts once the buffer holds this many requests
 BATCH = 8  # requests per training step
 MAX_LEN = 512  # tokens per training sequence (longer requests are cut)
+VOCAB_STEP = 128  # draft-vocabulary tokens replaced at most per revision
+VOCAB_MIN_COUNT = 3  # a token enters the draft vocabulary once the buffered outputs hold it this often
 
 
 def feature_window(total: int, cols: int) -> tuple[int, int]:
@@ -121,7 +128,7 @@ def query_rows(recs: list[Served], length: int, depth: int) -> tuple[np.ndarray 
 @dataclasses.dataclass(frozen=True)
 class OnlineConfig:
     buffer: int = 512  # requests kept for training (the oldest dropped first)
-    lr: float = 1e-4
+    lr: float = 3e-4
     share: float = 0.25  # at most this share of wall time spent training
     swap_every: int = 20  # training steps between scores (and swaps)
     save: str | None = None  # write the head here at every swap
@@ -176,6 +183,8 @@ class OnlineTrainer:
         self.version = 0  # swaps so far: the head in use is version `version`
         self.steps = 0
         self.failed_steps = 0
+        self.vocab_replaced = 0  # draft-vocabulary tokens replaced so far (revise_vocab)
+        self._served_vocab: Any = None  # the draft vocabulary of the weights in use [Vd]
         self.last_score: dict | None = None  # the last scoring: step, score in use, score of the copy, swapped
         self._trainer: Any = None
         self._served: Any = None  # the weights in use, in the trainer's layout
@@ -214,6 +223,7 @@ class OnlineTrainer:
                 "draft_version": self.version,
                 "online_train_steps": self.steps,
                 "online_train_failed_steps": self.failed_steps,
+                "online_train_vocab_replaced": self.vocab_replaced,
                 "online_train_buffer": len(self.examples),
                 "online_train_held_out": len(self.held),
                 "online_train_score_in_use": None if last is None else last["in_use"],
@@ -246,7 +256,31 @@ class OnlineTrainer:
         atexit.register(shutil.rmtree, self._dir, True)
         tr = Trainer(self.engine.loaded, tcfg, examples, cfg, self._dir, progress=False, init_head=self.head_path)
         self._served = jax.tree.map(jnp.copy, tr.params)
+        self._served_vocab = np.asarray(tr.ids)
         return tr
+
+    def revise_vocab(self) -> int:
+        """Turns the copy's draft vocabulary towards the buffered outputs (module docstring);
+        returns how many tokens were replaced."""
+        from jaxspec.train.trainer import output_rows
+        from jaxspec.train.vocab import mapped_rows, retarget, token_counts
+
+        tr = self._trainer
+        with self.lock:
+            outputs = [r.ids[r.mask > 0] for r in self.examples]
+        cfg = self.engine.loaded.cfg
+        counts = token_counts(outputs, cfg.vocab_size)
+        vocab, src = retarget(tr.ids, counts, VOCAB_STEP, VOCAB_MIN_COUNT, keep=cfg.eos_token_ids)
+        added = int((src < 0).sum())
+        if added:
+            lm = np.asarray(jax.device_get(tr.params["lm_head"]["kernel"][...])).T  # [Vd, H]
+            rows = np.zeros(lm.shape, np.float32)
+            rows[src < 0] = mapped_rows(lm, tr.ids, np.asarray(output_rows(self.engine.loaded.model)), vocab[src < 0])
+            tr.set_vocab(vocab, src, rows)
+            with self.lock:
+                self.vocab_replaced += added
+            logger.info("online draft training: %d tokens of the traffic entered the draft vocabulary", added)
+        return added
 
     def _run(self) -> None:
         try:
@@ -255,14 +289,22 @@ class OnlineTrainer:
             logger.exception("online draft training could not start; serving goes on with the draft as it is")
             return
         scored = 0  # the step count at the last scoring (a dropped step leaves the count as it was)
+        self._revise_vocab_logged()
         while not self._stop.is_set():  # the buffer holds at least MIN_EXAMPLES requests from here on
             t0 = time.monotonic()
             self.train_steps(1)
             if self.steps - scored >= self.cfg.swap_every:
                 scored = self.steps
                 self.score_and_swap()
+                self._revise_vocab_logged()
             spent = time.monotonic() - t0
             self._stop.wait(spent * (1 - self.cfg.share) / self.cfg.share)  # the serving share
+
+    def _revise_vocab_logged(self) -> None:
+        try:
+            self.revise_vocab()
+        except Exception:  # the vocabulary stays as it was; training goes on
+            logger.exception("online draft training: the draft vocabulary could not be revised")
 
     def train_steps(self, n: int) -> None:
         """n updates of the copy on batches drawn from the buffer (failures dropped and counted)."""
@@ -280,7 +322,7 @@ class OnlineTrainer:
                 args, nq = self._batch(tr, batch)
                 lr = jnp.float32(self.cfg.lr)
                 params, opt, loss, _ = tr.update_given(
-                    tr.params, tr.opt_state, tr.rest, tr._tgt_params, lr, *args, nq=nq
+                    tr.params, tr.opt_state, tr.rest, tr._tgt_params, lr, *args, nq=nq, vocab=jnp.asarray(tr.ids)
                 )
                 if not math.isfinite(float(loss)):
                     raise FloatingPointError(f"loss {float(loss)}")
@@ -301,7 +343,7 @@ class OnlineTrainer:
         if tr is None or not held:
             return False
         candidate = tr.params
-        in_use, cand = self._scores(tr, held, (self._served, candidate))
+        in_use, cand = self._scores(tr, held, ((self._served, self._served_vocab), (candidate, tr.ids)))
         swap = cand > in_use
         if swap:
             self._swap_in(candidate)
@@ -314,13 +356,14 @@ class OnlineTrainer:
         return swap
 
     def _scores(self, tr, held: list[Served], heads: tuple) -> list[float]:
-        """Each head's expected accept length on `held`, batches padded to their length bucket."""
+        """Each head's expected accept length on `held`, batches padded to their length bucket.
+        heads: (params, draft vocabulary [Vd]) pairs."""
         sums = [np.zeros(self.depth) for _ in heads]
         batches = 0
         for s in range(0, len(held), BATCH):
             args, nq = self._batch(tr, held[s : s + BATCH])
-            for acc, params in zip(sums, heads):
-                _, m = tr.eval_given(params, tr.rest, tr._tgt_params, *args, nq=nq)
+            for acc, (params, vocab) in zip(sums, heads):
+                _, m = tr.eval_given(params, tr.rest, tr._tgt_params, *args, nq=nq, vocab=jnp.asarray(vocab))
                 acc += [float(m[f"acc_{i}"]) for i in range(self.depth)]
             batches += 1
         return [float(expected_accept(list(acc / max(batches, 1)))) for acc in sums]
@@ -348,6 +391,7 @@ class OnlineTrainer:
         tr.export("float32")
         self.engine.swap_draft(path)
         self._served = jax.tree.map(jnp.copy, params)
+        self._served_vocab = np.asarray(tr.ids)
         old, self.head_path = self.head_path, path
         if os.path.dirname(old) == self._dir:  # an earlier swapped-in head: only the one in use is kept
             shutil.rmtree(old, ignore_errors=True)

@@ -71,6 +71,11 @@ class TrainConfig:
     seed: int = flag(0, "initialisation and data-order seed")
 
 
+def output_rows(model):
+    """The target's output embedding [V, H]: its LM head's rows, or the tied input embedding."""
+    return model.embed_tokens[...] if model.lm_head is None else model.lm_head.kernel[...].T
+
+
 def _read_head(path: str, algorithm: str) -> dict[str, np.ndarray]:
     """The tensors of a head written before (public layout), checked to be of `algorithm`'s kind."""
     from jaxspec.convert.sources import open_source
@@ -157,7 +162,7 @@ class Trainer:
             # Warm start: the draft's LM head begins as the target's own rows for the draft vocabulary
             # (the token geometry), scaled down so that the first logits are soft rather than
             # confidently wrong (copying the target's output norm too made the initial loss ~4x log V).
-            w = target.model.embed_tokens[...] if target.model.lm_head is None else target.model.lm_head.kernel[...].T
+            w = output_rows(target.model)
             head.lm_head.kernel[...] = LM_HEAD_INIT_SCALE * jnp.asarray(w[jnp.asarray(self.ids)].T, jnp.float32)
         if init is not None:
             head = load_module(
@@ -201,7 +206,7 @@ class Trainer:
         h, _, cap = tgt(ids, jnp.broadcast_to(jnp.arange(length), (b, length)), cache, capture_layers=self.capture)
         if self.ids is None:
             return h, tgt.logits(h)
-        w = tgt.embed_tokens[...] if tgt.lm_head is None else tgt.lm_head.kernel[...].T  # [V, H]
+        w = output_rows(tgt)  # [V, H]
         logits = jnp.einsum("blh,vh->blv", h, w[jnp.asarray(self.ids)], preferred_element_type=jnp.float32)
         return jnp.concatenate(list(cap), -1), logits
 
@@ -226,29 +231,58 @@ class Trainer:
         updates = jax.tree.map(lambda u: -lr * u, updates)
         return optax.apply_updates(params, updates), opt_state
 
-    def _labels(self, ids):
+    def _labels(self, ids, vocab=None):
         """The draft-vocabulary index of each next token [B, L] (-1 outside it; the last column's
-        is never used)."""
+        is never used). vocab: the draft vocabulary [Vd] (sorted target ids; default self.ids)."""
         assert self.ids is not None, "labels are EAGLE-3's"
+        vocab = jnp.asarray(self.ids) if vocab is None else vocab
         lut = jnp.full((self.target.cfg.vocab_size,), -1, jnp.int32)
-        lut = lut.at[jnp.asarray(self.ids)].set(jnp.arange(len(self.ids), dtype=jnp.int32))
+        lut = lut.at[vocab].set(jnp.arange(vocab.shape[0], dtype=jnp.int32))
         return lut[jnp.pad(ids[:, 1:], ((0, 0), (0, 1)))]
 
-    def _eval_given_impl(self, params, rest, tparams, ids, mask, feats, first=None, nq=None):
+    def _eval_given_impl(self, params, rest, tparams, ids, mask, feats, first=None, nq=None, vocab=None):
         """EAGLE-3 loss and metrics on given features [B, L, F] (any float dtype), labels the tokens;
-        with first [B] and nq, only rows first .. first + nq - 1 scored (losses.eagle3_ttt_loss rows)."""
+        with first [B] and nq, only rows first .. first + nq - 1 scored (losses.eagle3_ttt_loss rows);
+        vocab: the head's draft vocabulary [Vd] when it is not self.ids (an argument: no recompile)."""
         rows = None if nq is None else (first, nq)
-        return self._loss(params, rest, tparams, ids, mask, feats.astype(jnp.float32), self._labels(ids), rows)
+        labels = self._labels(ids, vocab)
+        return self._loss(params, rest, tparams, ids, mask, feats.astype(jnp.float32), labels, rows)
 
-    def _update_given_impl(self, params, opt_state, rest, tparams, lr, ids, mask, feats, first=None, nq=None):
-        """One update on given features [B, L, F] (no target forward), labels the tokens; first / nq
-        as in _eval_given_impl."""
-        labels = self._labels(ids)
+    def _update_given_impl(
+        self, params, opt_state, rest, tparams, lr, ids, mask, feats, first=None, nq=None, vocab=None
+    ):
+        """One update on given features [B, L, F] (no target forward), labels the tokens; first, nq
+        and vocab as in _eval_given_impl."""
+        labels = self._labels(ids, vocab)
         rows = None if nq is None else (first, nq)
         (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(
             params, rest, tparams, ids, mask, feats.astype(jnp.float32), labels, rows
         )
         return self._apply(params, opt_state, grads, lr) + (loss, metrics)
+
+    def set_vocab(self, vocab: np.ndarray, src: np.ndarray, new_rows: np.ndarray) -> None:
+        """Gives the EAGLE-3 head the draft vocabulary `vocab` [Vd] (sorted target ids, the size it
+        has): its LM-head row d becomes the old row src[d], or new_rows[d] [Vd, H] where src[d] < 0
+        (new_rows is read only there), whose optimizer moments start at 0. Shapes stay, so nothing
+        recompiles; update_given / eval_given must then be given `vocab`."""
+        assert self.ids is not None and len(vocab) == len(self.ids), "an EAGLE-3 vocabulary of the same size"
+        take = jnp.asarray(np.maximum(src, 0))
+        fresh = jnp.asarray(src < 0)
+
+        def remap(path, leaf, rows):  # the LM head's kernel is [H, Vd]; every other leaf is kept
+            if "lm_head" not in jax.tree_util.keystr(path) or leaf.shape != (self.hf_config["hidden_size"], len(src)):
+                return leaf
+            return jnp.where(fresh[None, :], rows.T.astype(leaf.dtype), leaf[:, take])
+
+        rows = jnp.asarray(np.where((src < 0)[:, None], new_rows, 0.0), jnp.float32)
+        zeros = jnp.zeros_like(rows)
+        self.params = jax.tree_util.tree_map_with_path(lambda p, x: remap(p, x, rows), self.params)
+        self.opt_state = jax.tree_util.tree_map_with_path(lambda p, x: remap(p, x, zeros), self.opt_state)
+        d2t = vocab - np.arange(len(vocab))
+        self.rest = jax.tree_util.tree_map_with_path(
+            lambda p, x: jnp.asarray(d2t, x.dtype) if "d2t" in jax.tree_util.keystr(p) else x, self.rest
+        )
+        self.ids = np.asarray(vocab, np.int32)
 
     def lr_at(self, step: int) -> float:
         """Linear warmup to cfg.lr, then cosine decay to a tenth of it at `self.planned` steps."""

@@ -60,6 +60,39 @@ def fit_row_map(rows: np.ndarray, embed: np.ndarray, ridge: float = 1.0) -> np.n
     return np.linalg.solve(e.T @ e + ridge * np.eye(e.shape[1]), e.T @ rows.astype(np.float64)).astype(np.float32)
 
 
+def mapped_rows(lm: np.ndarray, have: np.ndarray, target_rows: np.ndarray, add, ridge: float = 1.0) -> np.ndarray:
+    """LM-head rows [len(add), H] for target ids `add`, from the head's rows lm [Vd, H] for the ids
+    `have` [Vd]: the target's rows (target_rows [V, H]) through the linear map fitted on the rows the
+    head has (fit_row_map)."""
+    target_rows = np.asarray(target_rows, np.float32)
+    m = fit_row_map(np.asarray(lm, np.float32), target_rows[np.asarray(have, np.int64)], ridge)
+    return target_rows[np.asarray(add, np.int64)] @ m
+
+
+def retarget(have: np.ndarray, counts: np.ndarray, max_new: int, min_count: int = 2, keep=()) -> tuple:
+    """A draft vocabulary of the same size, turned towards counted traffic: up to `max_new` tokens it
+    lacks that occur at least `min_count` times (the most frequent first) replace as many of its tokens
+    that never occur (the highest ids first: in a BPE vocabulary the latest merges, the rarest in general
+    text; never those in `keep`). have: [Vd] sorted target ids; counts: [V] occurrences.
+    -> (vocab [Vd] sorted target ids, src [Vd]: the index in `have` of each entry, -1 for a token added)."""
+    have = np.asarray(have, np.int64)
+    counts = np.asarray(counts, np.int64)
+    lacking = np.ones(len(counts), bool)
+    lacking[have] = False
+    cand = np.flatnonzero(lacking & (counts >= min_count))
+    cand = cand[np.argsort(-counts[cand], kind="stable")]
+    unused = np.flatnonzero((counts[have] == 0) & ~np.isin(have, np.asarray(list(keep), np.int64)))[::-1]
+    k = min(max_new, len(cand), len(unused))
+    src = np.arange(len(have))
+    if k == 0:
+        return have.astype(np.int32), src
+    kept = np.setdiff1d(src, unused[:k])
+    vocab = np.concatenate([have[kept], cand[:k]])
+    src = np.concatenate([kept, np.full(k, -1)])
+    order = np.argsort(vocab, kind="stable")
+    return vocab[order].astype(np.int32), src[order]
+
+
 def extend_head(head_dir: str, target_rows: np.ndarray, add, out_dir: str, ridge: float = 1.0) -> dict:
     """Writes to `out_dir` the EAGLE-3 head of `head_dir` with its draft vocabulary widened by the
     target ids `add` (those it already has are skipped); target_rows: [V, H] the target's output
@@ -89,9 +122,8 @@ def extend_head(head_dir: str, target_rows: np.ndarray, add, out_dir: str, ridge
     m = fit_row_map(lm[perm[:cut]], target_rows[have[perm[:cut]]], ridge)
     pred, true = target_rows[have[perm[cut:]]] @ m, lm[perm[cut:]]
     cos = (pred * true).sum(1) / (np.linalg.norm(pred, axis=1) * np.linalg.norm(true, axis=1) + 1e-9)
-    m = fit_row_map(lm, target_rows[have], ridge)
     ids = np.concatenate([have, add])
-    rows = np.concatenate([lm, target_rows[add] @ m])
+    rows = np.concatenate([lm, mapped_rows(lm, have, target_rows, add, ridge)])
     order = np.argsort(ids, kind="stable")
     ids, rows = ids[order], rows[order]
     tensors["lm_head.weight"] = rows.astype(dtype)
