@@ -106,8 +106,12 @@ def eagle3_ttt_loss(head, embed, tokens, feats, target_logits, mask, steps: int,
         else:
             emb, hid, pos = embed[pick(_shift(tokens, k + 1, t))], h, idx + k
         x = jnp.concatenate([m.input_layernorm(emb), m.hidden_norm(hid)], -1)
-        q, kk, vv = at.project(x)
-        q = pick(apply_rope(q, pos, inv)) if k == 0 else apply_rope(q, pos, inv)
+        if k == 0 and rows is not None and not at.shards:  # queries only at the rows scored
+            q = apply_rope(at.q_proj(pick(x)).reshape(b, nq, nh, d), idx, inv)
+            kk, vv = at.k_proj(x).reshape(b, t, nkv, d), at.v_proj(x).reshape(b, t, nkv, d)
+        else:
+            q, kk, vv = at.project(x)
+            q = pick(apply_rope(q, pos, inv)) if k == 0 else apply_rope(q, pos, inv)
         q = q.reshape(b, nq, nkv, g, d)
         ks.append(apply_rope(kk, pos, inv))
         vs.append(vv)
