@@ -274,8 +274,7 @@ class OnlineTrainer:
         added = int((src < 0).sum())
         if added:
             lm = np.asarray(jax.device_get(tr.params["lm_head"]["kernel"][...])).T  # [Vd, H]
-            rows = np.zeros(lm.shape, np.float32)
-            rows[src < 0] = mapped_rows(lm, tr.ids, np.asarray(output_rows(self.engine.loaded.model)), vocab[src < 0])
+            rows = mapped_rows(lm, tr.ids, np.asarray(output_rows(self.engine.loaded.model)), vocab[src < 0])
             tr.set_vocab(vocab, src, rows)
             with self.lock:
                 self.vocab_replaced += added

@@ -260,21 +260,23 @@ class Trainer:
         )
         return self._apply(params, opt_state, grads, lr) + (loss, metrics)
 
-    def set_vocab(self, vocab: np.ndarray, src: np.ndarray, new_rows: np.ndarray) -> None:
+    def set_vocab(self, vocab: np.ndarray, src: np.ndarray, added: np.ndarray) -> None:
         """Gives the EAGLE-3 head the draft vocabulary `vocab` [Vd] (sorted target ids, the size it
-        has): its LM-head row d becomes the old row src[d], or new_rows[d] [Vd, H] where src[d] < 0
-        (new_rows is read only there), whose optimizer moments start at 0. Shapes stay, so nothing
+        has): its LM-head row d becomes the old row src[d], or, where src[d] < 0, the next row of
+        `added` [number of such d, H], whose optimizer moments start at 0. Shapes stay, so nothing
         recompiles; update_given / eval_given must then be given `vocab`."""
         assert self.ids is not None and len(vocab) == len(self.ids), "an EAGLE-3 vocabulary of the same size"
         take = jnp.asarray(np.maximum(src, 0))
         fresh = jnp.asarray(src < 0)
 
         def remap(path, leaf, rows):  # the LM head's kernel is [H, Vd]; every other leaf is kept
-            if "lm_head" not in jax.tree_util.keystr(path) or leaf.shape != (self.hf_config["hidden_size"], len(src)):
+            if "lm_head" not in jax.tree_util.keystr(path):
                 return leaf
             return jnp.where(fresh[None, :], rows.T.astype(leaf.dtype), leaf[:, take])
 
-        rows = jnp.asarray(np.where((src < 0)[:, None], new_rows, 0.0), jnp.float32)
+        full = np.zeros((len(src), np.shape(added)[-1]), np.float32)
+        full[src < 0] = added
+        rows = jnp.asarray(full)
         zeros = jnp.zeros_like(rows)
         self.params = jax.tree_util.tree_map_with_path(lambda p, x: remap(p, x, rows), self.params)
         self.opt_state = jax.tree_util.tree_map_with_path(lambda p, x: remap(p, x, zeros), self.opt_state)
