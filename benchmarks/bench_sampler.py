@@ -1,4 +1,5 @@
-"""The sampler alone: jaxspec's sort-free `sample` vs a full-vocabulary sort, same inputs, one run.
+"""The sampler alone: jaxspec's sort-free `sample` vs a full-vocabulary sort, same inputs, one run;
+and the greedy pick: jaxspec's `argmax` vs jnp.argmax.
 
     python benchmarks/bench_sampler.py [--vocab 49152] [--rows 1 8 64]
 
@@ -6,6 +7,7 @@ The sort-based sampler is the textbook one (sort descending, cumulative sum for 
 jax.random.categorical), as jaxspec sampled before. Times are per call, jitted, after a warm-up, for
 temperature only and for every filter on (top-k 50, top-p 0.9, min-p 0.05); jaxspec's is the sampler
 the engine picks for such requests (`sampling_kind`: temperature only needs no threshold search).
+The argmax times are per call inside one jitted loop of 100 calls (no dispatch per call).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from common import machine
 
-from jaxspec.sampling import SamplingParams, SamplingTensors, sample, sampling_kind
+from jaxspec.sampling import SamplingParams, SamplingTensors, argmax, sample, sampling_kind
 
 
 def sort_sample(logits, st: SamplingTensors, keys):
@@ -46,6 +48,16 @@ def per_call_ms(fn, *args, n=20) -> float:
     return (time.perf_counter() - t) / n * 1e3
 
 
+def looped_us(pick, x, n: int = 100) -> float:
+    """Microseconds per call of pick(x) [R, V] -> [R], inside one jitted loop of n calls."""
+
+    def body(_, acc):  # each call reads x afresh (acc[0] * 0 keeps it inside the loop)
+        return acc + pick(x + acc[0].astype(x.dtype) * 0)
+
+    run = jax.jit(lambda x: jax.lax.fori_loop(0, n, body, jnp.zeros(x.shape[0], jnp.int32)))
+    return min(per_call_ms(run, x, n=3) for _ in range(3)) / n * 1e3
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--vocab", type=int, default=49152)
@@ -68,6 +80,12 @@ def main():
             a = per_call_ms(ref, logits, st, st.keys)
             b = per_call_ms(ours, logits, st, zeros, st.keys, sampling_kind([p]))
             print(f"| {r} | {name} | {a:.2f} | {b:.2f} | {a / b:.1f}× |", flush=True)
+    print("\n| rows | jnp.argmax us | jaxspec argmax us | ratio |\n|---|---|---|---|")
+    for r in args.rows:
+        logits = jnp.asarray(np.random.default_rng(1).normal(size=(r, args.vocab)).astype(np.float32))
+        a = looped_us(lambda x: jnp.argmax(x, -1).astype(jnp.int32), logits)
+        b = looped_us(argmax, logits)
+        print(f"| {r} | {a:.1f} | {b:.1f} | {a / b:.1f}× |", flush=True)
 
 
 if __name__ == "__main__":

@@ -373,13 +373,24 @@ def uniforms(keys):
     return jax.vmap(jax.random.uniform)(keys)
 
 
+def argmax(x, axis: int = -1):
+    """jnp.argmax(x, axis) as int32: the first maximal index, a NaN counting as maximal. Two
+    reductions that vectorise instead of jnp.argmax's one (value, index) reduction, which XLA:CPU runs
+    an element at a time: over SmolLM2's 49,152 logits 27 against 212 us a row (2-core AMD EPYC)."""
+    axis = axis % x.ndim
+    nan = jnp.isnan(x)
+    hit = jnp.where(jnp.any(nan, axis, keepdims=True), nan, x == jnp.max(x, axis, keepdims=True))
+    idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    return jnp.min(jnp.where(hit, idx, x.shape[axis] - 1), axis)
+
+
 def sample(logits, st: SamplingTensors, counts, seen, keys, sampled: bool | str = True):
     """logits [B, V] f32 -> tokens [B] int32. keys: typed PRNG keys [B] for this step.
 
     sampled (static): False when every row is greedy, so the program holds no sampler at all;
     TEMPERATURE_ONLY when no row filters; True handles any mix, greedy rows taking the argmax."""
     logits = apply_penalties(logits, st, counts, seen)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
     if not sampled:
         return greedy
     mixed = lambda: jnp.where(

@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 
 from jaxspec.errors import JaxspecError
-from jaxspec.sampling import DRAW_BLOCK, SamplingParams, SamplingTensors, apply_penalties, draw, sample, target_probs
+from jaxspec.sampling import (
+    DRAW_BLOCK,
+    SamplingParams,
+    SamplingTensors,
+    apply_penalties,
+    argmax,
+    draw,
+    sample,
+    target_probs,
+)
 
 
 def np_target_probs(logits, temperature, top_k, top_p, min_p):
@@ -155,6 +164,23 @@ def test_sample_distribution_chi_square(case):
     # the test has power: a slightly different distribution is rejected
     skew = probs[m] * (1 + 0.1 * np.sign(np.arange(m.sum()) % 2 - 0.5))
     assert chisquare(obs[m], skew / skew.sum() * n).pvalue < 1e-3
+
+
+def test_argmax_equals_jnp_argmax():
+    """The two-reduction argmax against jnp.argmax: random rows, ties (the first one wins), -inf
+    rows, NaN (the first NaN wins), several axes."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 3, 4099)).astype(np.float32)
+    x[0, 0, [7, 300, 4000]] = 50.0  # a tie
+    x[1, 1, :] = -np.inf
+    x[2, 2, [9, 11]] = np.nan
+    x[3, 0, :] = 1.0
+    x[4, 1, -1] = np.inf
+    for axis in (-1, 0, 1, 2):
+        got = np.asarray(jax.jit(argmax, static_argnums=1)(jnp.asarray(x), axis))
+        np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis)))
+    assert argmax(jnp.asarray(x)).dtype == jnp.int32
+    assert int(argmax(jnp.asarray(x))[0, 0]) == 7
 
 
 def test_greedy_is_argmax_even_in_mixed_batch():

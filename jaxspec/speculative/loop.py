@@ -28,7 +28,7 @@ from jaxspec.config import SpecConfig
 from jaxspec.decode import LENGTH, RUNNING, STOPPED, target_prefill
 from jaxspec.grammar import Emitted, allowed, mask_logits
 from jaxspec.logprobs import TokenLogprobs, compute
-from jaxspec.sampling import GREEDY_EPS, SamplingTensors, sample, uniforms
+from jaxspec.sampling import GREEDY_EPS, SamplingTensors, argmax, sample, uniforms
 from jaxspec.sampling import draw as draw_index
 from jaxspec.speculative import tree as tree_lib
 from jaxspec.speculative.proposers.base import DraftState, Proposer
@@ -193,7 +193,7 @@ def draw_drafts(probs, temperature, keys):
     probs' argmax and q is unused)."""
     t = temperature[:, None]
     logq = jnp.log(probs.astype(jnp.float32)) / jnp.maximum(t, GREEDY_EPS)
-    greedy = jnp.argmax(probs, -1).astype(jnp.int32)
+    greedy = argmax(probs)
     # no token left (a grammar allows none of the draft's vocabulary): the token is a certain pick,
     # like a forced one (q = its one-hot), not the NaN of a softmax over nothing
     some = jnp.any(probs > 0, -1, keepdims=True)

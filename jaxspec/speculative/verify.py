@@ -25,7 +25,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.sampling import TEMPERATURE_ONLY, SamplingTensors, draw, draws, skips_unused, target_probs, uniforms
+from jaxspec.sampling import (
+    TEMPERATURE_ONLY,
+    SamplingTensors,
+    argmax,
+    draw,
+    draws,
+    skips_unused,
+    target_probs,
+    uniforms,
+)
 from jaxspec.speculative.tree import Tree
 
 
@@ -58,7 +67,7 @@ def _walk(tree: Tree, num_steps: int, choose):
 
 def greedy_verify(tree: Tree, logits, num_steps: int) -> Accepted:
     """Accept the child whose token is the target's argmax at the current node."""
-    target = jnp.argmax(logits, -1).astype(jnp.int32)  # [B, N]
+    target = argmax(logits)  # [B, N]
 
     def choose(cur, is_child):
         want = jnp.take_along_axis(target, cur[:, None], 1)  # [B, 1]
