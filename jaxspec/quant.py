@@ -19,7 +19,9 @@ Under w8a8_int8 a target (or STANDALONE draft) also gets `head_int8`, an int8 co
 [H, V] (of the tied embedding, transposed, when tied) that computes its logits: a float LM head
 can weigh as much as all the int8 layers (SmolLM2-135M: 113 MB against 106 MB). The float
 embedding / LM head stay (token embeddings and EAGLE drafts read them), so this costs V * H bytes
-more memory.
+more memory. An EAGLE-3 draft's own LM head [H, Vd] is read only for the draft's logits, so under
+w8a8_int8 it is quantized like the draft's layers: in float32 (SmolLM2's head, 4,096 x 576) it was
+two of the costliest ops of a CPU round, one product per draft step.
 Every `Linear` but LM heads gets an integer/fp8 `kernel` [in, out] and a float32 `scale` [out];
 `Linear.__call__` computes (x @ q) * scale with q converted to x's dtype (XLA:GPU fuses that conversion
 into the matmul; XLA:CPU materialises the float weight first, so on CPU it saves memory, not time);
@@ -55,14 +57,21 @@ def quantize_weight(w, mode: str):
 
 
 def quantize_model(model: nnx.Module, mode: str | None) -> nnx.Module:
-    """In place: every Linear of `model` except LM heads quantized to `mode` (None / "unquant":
-    unchanged). Returns `model`. The flags' values are checked in jaxspec/args.py."""
+    """In place: every Linear of `model` except LM heads (but a draft's own under w8a8_int8)
+    quantized to `mode` (None / "unquant": unchanged). Returns `model`. The flags' values are
+    checked in jaxspec/args.py."""
     if mode in (None, "unquant", "gguf"):  # gguf: the blocks were kept when the model loaded
         return model
     if mode not in QMAX:
         raise JaxspecError(f"unknown quantization {mode!r}; known: {', '.join(QMAX)}, unquant")
-    for path, m in list(nnx.iter_graph(model)):
-        if not isinstance(m, Linear) or m.scale is not None or m.gguf or (path and path[-1] == "lm_head"):
+    nodes = list(nnx.iter_graph(model))
+    # a target's LM head stays (w8a8_int8 adds head_int8 below); a draft's own LM head (EAGLE-3's
+    # [H, Vd], read only for its logits) is quantized like its layers under w8a8_int8
+    target_heads = {id(m.lm_head) for _, m in nodes if isinstance(m, LlamaForCausalLM) and m.lm_head is not None}
+    for path, m in nodes:
+        if not isinstance(m, Linear) or m.scale is not None or m.gguf:
+            continue
+        if path and path[-1] == "lm_head" and (id(m) in target_heads or mode != "w8a8_int8"):
             continue
         q, scale = quantize_weight(m.kernel[...], mode)
         m.kernel = nnx.Param(q)

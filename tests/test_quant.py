@@ -151,6 +151,26 @@ def test_w8a8_matmul_matches_an_integer_reference_and_is_batch_invariant():
         assert np.array_equal(part, y.reshape(14, 40)[:rows])
 
 
+def test_w8a8_eagle3_draft_head_is_int8_and_lossless(models):  # noqa: F811
+    """Under w8a8_int8 an EAGLE-3 draft's own LM head [H, Vd] is quantized like its layers (out-major
+    for the native kernel on CPU); speculation stays token-identical to the target's plain decoding."""
+    import jax
+
+    from jaxspec import native
+
+    plain = [
+        r["output_ids"]
+        for r in engine(models, quantization="w8a8_int8").generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    ]
+    spec = engine(models, "EAGLE3", "eagle3", (3, 2, 6), quantization="w8a8_int8", speculative_adaptive=False)
+    head = spec.dparams["draft"]["lm_head"]
+    k = head["kernel"][...]
+    out_major = jax.default_backend() == "cpu" and native.available()
+    assert k.dtype == jnp.int8 and k.shape[1 if out_major else 0] == spec.cfg.hidden_size
+    assert head["scale"][...].shape == (k.shape[0 if out_major else 1],)  # one scale per draft token
+    assert [r["output_ids"] for r in spec.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == plain
+
+
 @pytest.mark.parametrize("native_kernel", [True, False])
 def test_w8a8_kernel_layout(models, monkeypatch, native_kernel):  # noqa: F811
     """On CPU float kernels are stored out-major [out, in] (models/llama.py:out_major); w8a8_int8

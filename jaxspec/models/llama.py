@@ -371,13 +371,15 @@ def out_major(model: nnx.Module) -> nnx.Module:
     every attention and MLP kernel of `model` (a target, or a draft built from these layers) is
     stored [out, in], and a tied LM head computes few-row logits the same way (small_rows_matmul).
     LM head kernels of their own stay [in, out] (drafts read them directly). w8a8_int8 kernels,
-    the int8 LM head copy included, go out-major for the native int8 kernel (jaxspec.native) when
+    the int8 LM head copy and a draft's int8 LM head included, go out-major for the native int8 kernel (jaxspec.native) when
     it is available, and otherwise stay [in, out], the layout XLA:CPU's int8 GEMM runs fastest.
     Returns `model`."""
     nodes = list(nnx.iter_graph(model))
     int8_too = any(isinstance(m, Linear) and m.act_int8 for _, m in nodes) and native.available()
-    for _, m in nodes:
+    for path, m in nodes:
         lins = []
+        if isinstance(m, Linear) and path and path[-1] == "lm_head" and m.act_int8:  # a draft's int8 LM head
+            lins = [m]
         if isinstance(m, LlamaForCausalLM):
             m.out_major = True
             lins = [m.head_int8] if m.head_int8 is not None else []
