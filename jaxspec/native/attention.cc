@@ -52,6 +52,10 @@ inline void Exp8(const float* x, float* y) {
   }
 }
 
+inline float Sum8(const float* lane) {
+  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
 // q . k over D, in 8 running sums (lane i takes d = i, i + 8, ...) added in a fixed order.
 inline float Dot(const float* q, const float* k, int d) {
   float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -59,7 +63,7 @@ inline float Dot(const float* q, const float* k, int d) {
   for (; i + 8 <= d; i += 8)
     for (int j = 0; j < 8; ++j) lane[j] += q[i + j] * k[i + j];
   for (int j = 0; i < d; ++i, ++j) lane[j] += q[i] * k[i];
-  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+  return Sum8(lane);
 }
 
 struct Shape {
@@ -68,25 +72,26 @@ struct Shape {
   float scale;
 };
 
-// One (slot, row, KV head): the row's visible columns listed once, then for each of the G query
-// heads on that KV head their scores, their weights and the weighted sum of the values.
-void Row(const Shape& sh, const float* q, const float* k, const float* v, const int32_t* kv_len, int32_t offset,
-         const uint8_t* mask, float* out, int64_t bi, int64_t ti, int64_t kh, std::vector<int32_t>& cols,
-         std::vector<float>& score) {
-  const int64_t len = kv_len[bi], d = sh.d, g = sh.h / sh.hkv;
+// The visible columns of (slot bi, row ti), in order: the committed prefix, then the local region's.
+void Columns(const Shape& sh, const int32_t* kv_len, int32_t offset, const uint8_t* mask, int64_t bi, int64_t ti,
+             std::vector<int32_t>& cols) {
+  const int64_t len = std::min<int64_t>(kv_len[bi], sh.s);
+  // with a sliding window, only c > kv_len + offset + t - window
+  const int64_t first = sh.window > 0 ? std::max<int64_t>(0, kv_len[bi] + offset + ti - sh.window + 1) : 0;
   cols.clear();
-  for (int64_t c = 0; c < sh.s; ++c) {
-    const int64_t rel = c - len;
-    bool vis;
-    if (rel < 0)
-      vis = true;
-    else if (sh.w == 0)
-      vis = rel <= offset + ti;
-    else
-      vis = rel < sh.w && mask[(bi * sh.t + ti) * sh.w + rel] != 0;
-    if (vis && sh.window > 0) vis = c > len + offset + ti - sh.window;
+  for (int64_t c = first; c < len; ++c) cols.push_back(int32_t(c));  // rel < 0: every column
+  for (int64_t c = std::max(len, first); c < sh.s; ++c) {
+    const int64_t rel = c - kv_len[bi];
+    const bool vis = sh.w == 0 ? rel <= offset + ti : rel < sh.w && mask[(bi * sh.t + ti) * sh.w + rel] != 0;
     if (vis) cols.push_back(int32_t(c));
   }
+}
+
+// One (slot, row, KV head) over the row's visible columns `cols`: for each of the G query heads on
+// that KV head their scores, their weights and the weighted sum of the values.
+void Row(const Shape& sh, const float* q, const float* k, const float* v, float* out, int64_t bi, int64_t ti,
+         int64_t kh, const std::vector<int32_t>& cols, std::vector<float>& score) {
+  const int64_t d = sh.d, g = sh.h / sh.hkv;
   const int64_t n = int64_t(cols.size()), padded = (n + 7) / 8 * 8;
   score.resize(padded);
   for (int64_t hi = kh * g; hi < (kh + 1) * g; ++hi) {
@@ -105,7 +110,7 @@ void Row(const Shape& sh, const float* q, const float* k, const float* v, const 
       Exp8(&score[i], &score[i]);
       for (int j = 0; j < 8; ++j) lane[j] += score[i + j];
     }
-    const float l = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    const float l = Sum8(lane);
     for (int64_t i = 0; i < n; ++i) {
       const float p = score[i];
       const float* vr = v + ((bi * sh.s + cols[i]) * sh.hkv + kh) * d;
@@ -137,8 +142,10 @@ ffi::Error AttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::
   // other threads would cost, and XLA's own threads stay free for the products around it
   std::vector<int32_t> cols;
   std::vector<float> score;
-  for (int64_t i = 0; i < sh.b * sh.t * sh.hkv; ++i)  // item i = (slot, row, KV head)
-    Row(sh, qp, kp, vp, lp, off, mp, op, i / (sh.t * sh.hkv), i / sh.hkv % sh.t, i % sh.hkv, cols, score);
+  for (int64_t r = 0; r < sh.b * sh.t; ++r) {  // r = (slot, row)
+    Columns(sh, lp, off, mp, r / sh.t, r % sh.t, cols);
+    for (int64_t kh = 0; kh < sh.hkv; ++kh) Row(sh, qp, kp, vp, op, r / sh.t, r % sh.t, kh, cols, score);
+  }
   return ffi::Error::Success();
 }
 
