@@ -7,6 +7,7 @@ process with a persistent cache of its own (this file run as a script)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -61,6 +62,8 @@ def test_store_round_trip_and_bad_files(tmp_path, caplog):
     from jaxspec.server.program_store import ProgramStore, compile_again, compile_fresh
 
     assert enable() is not None  # the run's own cache (tests/conftest.py): "fresh" means written to it
+    # an engine built earlier in this worker may have set the package logger's level (--log-level)
+    caplog.set_level(logging.WARNING, logger="jaxspec.server")
     salt = float(np.random.default_rng().integers(1 << 30))  # a program no cache has seen
     f = jax.jit(lambda x, y: {"sum": jnp.sin(x) @ y + salt})
     args = (jnp.ones((8, 8)), jnp.full((8, 8), 0.5))
