@@ -550,13 +550,14 @@ class Engine:
         in self._block_programs: the configured shape's when first needed, the other candidates' in
         the background (Adaptive.run). Returns (state, rounds per candidate [n, len(candidates)])."""
         assert self.adaptive is not None
-        rounds = self.adaptive.rounds
+        adaptive = self.adaptive
         dyn = (state, st, max_new_d, stop_d)  # what the programs depend on besides shape and rounds
         sig = (sampled, jax.tree.structure(dyn), *((x.shape, x.dtype) for x in jax.tree.leaves(dyn)))
         # the state is donated to each block: programs compile against its shapes
         state_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
 
         def program(spec):
+            rounds = adaptive.block_rounds(spec)
             key = (shape_label(spec), rounds, *sig)
             if key not in self._block_programs:
                 self._block_programs[key] = spec_block.lower(
