@@ -1,6 +1,7 @@
 """llama.cpp beside jaxspec on the same GGUF, prompts and token counts, one run.
 
     python benchmarks/bench_llamacpp.py [--prompts 5] [--new 64] [--threads 2] [--configs gguf,gguf+draft,w8a8]
+                                        [--temperature 1]
 
 Needs `llama-cpp-python` (not a jaxspec dependency: `pip install llama-cpp-python` builds llama.cpp
 from source, about 10 minutes on 2 cores). The default model's GGUF (SmolLM2-135M-Instruct, Q4_1)
@@ -10,7 +11,8 @@ then quantized again as the configuration says). Batch 1, MT-bench first turns i
 tokenizer, given to both), exactly --new greedy tokens each (EOS ignored); tokens/s = new tokens /
 end-to-end latency (prompt included) after a warm-up pass over every prompt. Greedy agreement: the
 tokens before the first difference from jaxspec's first configuration, / --new; and the prompts whose
-first 32 tokens equal llama.cpp's.
+first 32 tokens equal llama.cpp's. With --temperature > 0 both sample from the temperature-scaled
+distribution alone (no top-k, top-p or min-p on either side) and only speeds are compared.
 """
 
 from __future__ import annotations
@@ -28,14 +30,17 @@ def agreement(outs, ref, new: int) -> float:
     return statistics.mean(k / new for k in ks)
 
 
-def llamacpp_outputs(path: str, ids: list[list[int]], new: int, threads: int) -> tuple[list[list[int]], list[float]]:
+def llamacpp_outputs(
+    path: str, ids: list[list[int]], new: int, threads: int, temperature: float = 0.0
+) -> tuple[list[list[int]], list[float]]:
     from llama_cpp import Llama
 
     llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
 
     def run(x):
         out = []
-        for tok in llm.generate(x, temp=0.0, top_k=1, reset=True):
+        sample = dict(temp=temperature, top_k=0, top_p=1.0, min_p=0.0) if temperature > 0 else dict(temp=0.0, top_k=1)
+        for tok in llm.generate(x, reset=True, **sample):
             out.append(int(tok))
             if len(out) == new:
                 return out
@@ -57,14 +62,15 @@ def main():
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (XLA:CPU uses every core)")
     ap.add_argument("--configs", default="gguf,gguf+draft,w8a8", help="jaxspec configurations of bench_quant.py")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (agreement measured); > 0: speed only")
     args = ap.parse_args()
 
     import jaxspec
     from jaxspec.default_model import default_gguf_path
 
-    print(machine())
+    print(machine(), f"temperature {args.temperature}")
     questions = mtbench_first_turns(args.prompts)
-    sp = {"temperature": 0, "max_new_tokens": args.new, "ignore_eos": True}
+    sp = {"temperature": args.temperature, "max_new_tokens": args.new, "ignore_eos": True}
     rows, ids, ref, all_outs = [], None, None, []
     for name in args.configs.split(","):
         kw = dict(CONFIGS[name])
@@ -84,7 +90,7 @@ def main():
         rows.append((f"jaxspec {name}", statistics.mean(tps), agreement(outs, ref, args.new)))
         print(f"{rows[-1][0]:24s} {rows[-1][1]:7.1f} tok/s  agree {rows[-1][2]:.3f}", flush=True)
         del eng
-    outs, tps = llamacpp_outputs(default_gguf_path(), ids, args.new, args.threads)
+    outs, tps = llamacpp_outputs(default_gguf_path(), ids, args.new, args.threads, args.temperature)
     rows.append((f"llama.cpp Q4_1, {args.threads} threads", statistics.mean(tps), agreement(outs, ref, args.new)))
     print(f"{rows[-1][0]:24s} {rows[-1][1]:7.1f} tok/s  agree {rows[-1][2]:.3f}", flush=True)
     all_outs.append(outs)
