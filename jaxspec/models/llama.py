@@ -370,10 +370,10 @@ def out_major(model: nnx.Module) -> nnx.Module:
     """In place, for inference on XLA:CPU with one device (after fuse_projections and quantization):
     every attention and MLP kernel of `model` (a target, or a draft built from these layers) is
     stored [out, in], and a tied LM head computes few-row logits the same way (small_rows_matmul).
-    LM head kernels of their own stay [in, out] (drafts read them directly). w8a8_int8 kernels,
-    the int8 LM head copy and a draft's int8 LM head included, go out-major for the native int8 kernel (jaxspec.native) when
-    it is available, and otherwise stay [in, out], the layout XLA:CPU's int8 GEMM runs fastest.
-    Returns `model`."""
+    Float LM head kernels of their own stay [in, out] (drafts read them directly). w8a8_int8
+    kernels, the int8 LM head copy and a draft's int8 LM head included, go out-major for the native
+    int8 kernel (jaxspec.native) when it is available, and otherwise stay [in, out], the layout
+    XLA:CPU's int8 GEMM runs fastest. Returns `model`."""
     nodes = list(nnx.iter_graph(model))
     int8_too = any(isinstance(m, Linear) and m.act_int8 for _, m in nodes) and native.available()
     for path, m in nodes:
