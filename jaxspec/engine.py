@@ -569,7 +569,7 @@ class Engine:
             return program(spec)(models, state, st, max_new_d, stop_d)
 
         greedy = np.asarray(st.temperature[:n]) <= GREEDY_EPS
-        return self.adaptive.run(block, state, greedy, sig, program)
+        return adaptive.run(block, state, greedy, sig, program)
 
     def _result(
         self,
