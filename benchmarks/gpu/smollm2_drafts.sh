@@ -23,7 +23,12 @@
 #                        # .gpu5 (each piece and the working tree must fit one call's 64 MiB), so that the next GPU
 #                        # slice ("stage 4", "stage 5" before "train") continues training that head on the same
 #                        # answers (regeneration then only answers prompts not answered before)
+#   bash benchmarks/gpu/smollm2_drafts.sh widen HEAD   # dev machine: the target ids HEAD (a head widened from the
+#                        # shipped one by benchmarks/widen_draft_vocab.py) added, into .gpu1/widen_ids.npy; "train" then
+#                        # starts from the shipped head widened the same way on the GPU machine (when no stage 4 head is there)
 #   Sizes: BUDGET (seconds for train-draft, default 420; with "stage 3" before it the command stays under 10 min), SYNTH (prompts the target writes, 20000), BATCH (512).
+#   Schedule: LR (1e-3), WARMUP (100 steps), SHARE (share of BUDGET for writing and answering prompts, 0.4; the
+#   data phase overran it once: 0.35 of 520 s planned 182 s, it took 275 s).
 #
 # Everything lives in $W (default /root/w; kept while the machine stays warm between calls).
 set -uo pipefail
@@ -42,9 +47,12 @@ case "$1" in
 prepare)  # the pieces of the GPU checklist (GGUF, wheels, MT-bench), plus the ShareGPT text
   bash "$REPO/benchmarks/gpu/checklist.sh" prepare || exit 1
   cd "$REPO" && .venv/bin/python benchmarks/gpu/prepare_data.py || exit 1
-  # .gpu2 also holds the originals: move GGUF bytes from piece 2 to piece 3 until the two weigh the same
-  cat .gpu2/gg.01 .gpu3/gg.02 > .gpu3/tail && T=$(stat -c %s .gpu3/tail) && O=$(stat -c %s .gpu2/originals.jsonl.gz)
-  head -c $(( (T - O) / 2 )) .gpu3/tail > .gpu2/gg.01 && tail -c +$(( (T - O) / 2 + 1 )) .gpu3/tail > .gpu3/gg.02 && rm .gpu3/tail
+  # pieces 1 and 2 also hold wheels, prompts and originals: re-cut the GGUF so that the three weigh the same
+  cat .gpu1/gg.00 .gpu2/gg.01 .gpu3/gg.02 > .gg && rm .gpu1/gg.00 .gpu2/gg.01 .gpu3/gg.02
+  E1=$(du -cb .gpu1 | tail -1 | cut -f1) E2=$(du -cb .gpu2 | tail -1 | cut -f1) G=$(stat -c %s .gg)
+  P=$(( (G + E1 + E2) / 3 + 1 ))
+  head -c $(( P - E1 )) .gg > .gpu1/gg.00 && tail -c +$(( P - E1 + 1 )) .gg | head -c $(( P - E2 )) > .gpu2/gg.01
+  tail -c +$(( 2 * P - E1 - E2 + 1 )) .gg > .gpu3/gg.02 && rm .gg
   TREE=$(git ls-files -z | du -cm --files0-from=- | tail -1 | cut -f1)
   for p in .gpu1 .gpu2 .gpu3; do  # a call carries the working tree and one piece: 64 MiB in all
     [ $(( $(du -sm $p | cut -f1) + TREE )) -lt 64 ] || echo "WARNING: $p and the working tree exceed 64 MiB"
@@ -107,6 +115,19 @@ start)
 train)  # foreground: one command; what it writes to $OUT comes back
   mkdir -p "$OUT" $W/head-t
   INIT=()
+  if [ -f $W/widen_ids.npy ] && [ ! -f $W/prev/model.safetensors ]; then
+    # start from the shipped head, its draft vocabulary widened by the target ids in widen_ids.npy
+    # (written on the dev machine by "widen"): new rows are mapped from the target's own output rows
+    $PY - <<PYEOF || exit 1
+import numpy as np
+from jaxspec.loader import load
+from jaxspec.train.trainer import output_rows
+from jaxspec.train.vocab import extend_head
+t = load("$MODEL", "float32", progress=False)
+s = extend_head("$REPO/jaxspec/drafts/smollm2-135m-instruct-eagle3", np.asarray(output_rows(t.model)), np.load("$W/widen_ids.npy"), "$W/prev")
+print("widened the shipped head:", s)
+PYEOF
+  fi
   if [ -f $W/prev/model.safetensors ]; then  # from "stage 4" (and 5): continue the head a previous slice trained
     INIT=(--init-head $W/prev)
     [ -f $W/prev/train_data.jsonl ] && [ ! -f $W/head-t/train_data.jsonl ] && cp $W/prev/train_data.jsonl $W/prev/synth_prompts.jsonl $W/head-t/ 2>/dev/null
@@ -121,7 +142,7 @@ train)  # foreground: one command; what it writes to $OUT comes back
     --num-samples 100000 --eval-samples ${EVAL:-64} --regenerate --synthesize ${SYNTH:-20000} --regen-samples 1 \
     --regen-batch-size ${BATCH:-512} --regen-max-new-tokens ${NEW:-320} --max-len ${LEN:-640} \
     --mix-original ${MIX:-11000} --mix-data $W/originals.jsonl --mix-skip 0 \
-    --steps 100000 --batch-size ${BS:-32} --lr 1e-3 --warmup 100 --clip 0.5 --ttt-steps ${TTT:-7} \
+    --steps 100000 --batch-size ${BS:-32} --lr ${LR:-1e-3} --warmup ${WARMUP:-100} --clip 0.5 --regen-share ${SHARE:-0.4} --ttt-steps ${TTT:-7} \
     --draft-vocab-size 8192 --draft-vocab-coverage ${COVERAGE:-0.97} --draft-vocab-max 32768 \
     --save-every 100000 --seed 0 --time-budget ${BUDGET:-420} --out $W/head-t "${INIT[@]}" 2>&1 | tee "$OUT/train.log"
   rc=${PIPESTATUS[0]}
@@ -145,6 +166,29 @@ carry)  # DIR (an unpacked head) -> .gpu4 (the head) and .gpu5 (its answers), st
   for p in "$REPO"/.gpu[45]; do  # a call carries the working tree and one piece: 64 MiB in all
     [ $(( $(du -sm "$p" | cut -f1) + TREE )) -lt 64 ] || echo "WARNING: $p and the working tree exceed 64 MiB: split it"
   done
+  ;;
+widen)  # dev machine: HEAD (a head widened from the shipped one) -> .gpu1/widen_ids.npy, the ids it added;
+  # "train" then widens the shipped head on the GPU machine the same way and continues training it
+  $REPO/.venv/bin/python - "$2" "$REPO/.gpu1/widen_ids.npy" <<'PYEOF' || exit 1
+import sys
+
+import numpy as np
+
+from jaxspec.convert.sources import open_source
+from jaxspec.drafts import bundled_draft_for
+from jaxspec.loader import load
+
+
+def ids(head):
+    d2t = np.asarray(open_source(head).get("d2t"), np.int64)
+    return np.arange(len(d2t)) + d2t
+
+
+t = load(None, "float32", progress=False)
+add = np.setdiff1d(ids(sys.argv[1]), ids(bundled_draft_for(t.path, t.cfg, "EAGLE3")[1])).astype(np.int32)
+np.save(sys.argv[2], add)
+print(f"{len(add)} ids added -> {sys.argv[2]}")
+PYEOF
   ;;
 wait)
   end=$(( $(date +%s) + $3 ))
