@@ -118,6 +118,40 @@ def test_a_failed_step_is_dropped(dirs, monkeypatch):
     assert eng.online.stats()["online_train_steps"] == 1
 
 
+def test_the_head_in_use_scores_each_held_back_group_once(dirs, monkeypatch):
+    """Scoring reuses the weights in use's agreement on a full group of held-back requests until a
+    swap, and gives the same scores as scoring everything afresh; a swapped-in copy's agreement
+    stands for the new version."""
+    from jaxspec.speculative import online
+
+    eng = _engine(dirs, speculative_online_train=True, speculative_online_train_lr=1e-2)
+    eng.online.close()  # this test drives the steps itself
+    rng = np.random.default_rng(3)
+    eng.generate(input_ids=[list(rng.integers(0, V, 4)) for _ in range(online.HOLDOUT * 20)], sampling_params=GREEDY)
+    ol = eng.online
+    assert len(ol.held) == 20  # two full groups of BATCH and a partial one
+    ol.train_steps(1)
+    tr = ol._trainer
+    calls = []
+    real = tr.eval_given
+    monkeypatch.setattr(tr, "eval_given", lambda *a, **k: calls.append(1) or real(*a, **k))
+    heads = ((ol._served, ol._served_vocab), (tr.params, tr.ids))
+    fresh = ol._scores(tr, list(ol.held), heads)
+    assert len(calls) == 6  # 3 groups x 2 heads
+    calls.clear()
+    cache: dict = {}
+    assert ol._scores(tr, list(ol.held), heads, cache=cache) == fresh and len(calls) == 6
+    calls.clear()
+    assert ol._scores(tr, list(ol.held), heads, cache=cache) == fresh
+    assert len(calls) == 4  # the head in use: only the partial group again
+    ol.train_steps(40)
+    assert ol.score_and_swap()  # the copy's agreement on the two full groups now stands for the head in use
+    assert sorted(ol._in_use_scores) == [(ol.version, 0), (ol.version, 1)]
+    calls.clear()
+    ol.score_and_swap()
+    assert len(calls) == 4
+
+
 def test_the_draft_vocabulary_follows_the_traffic(dirs):
     """Tokens the served outputs use and the head's vocabulary lacks take the places of tokens no
     output uses; a kept token keeps its LM-head row, a new one starts with fresh optimizer moments;

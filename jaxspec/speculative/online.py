@@ -13,6 +13,8 @@ the wall time training (it sleeps the rest), so serving keeps the other share. E
 held-back slice by the accept length a chain of the tree's depth would get from their per-depth
 top-1 agreement with the served tokens:
     1 + a_0 + a_0 a_1 + ... + a_0 ... a_{k-1}.
+The held-back requests are scored in fixed groups of BATCH by arrival, so the weights in use, which
+change only at a swap, score each full group once: later scorings reuse it and score only the copy.
 The copy's draft vocabulary follows the traffic too (vocab.retarget): at the start and after every
 score, tokens the buffered outputs use at least VOCAB_MIN_COUNT times that the vocabulary lacks (a
 token outside it can never be drafted) take the places of tokens no buffered output uses, at most
@@ -91,6 +93,7 @@ class Served:
     mask: np.ndarray
     feats: Any
     row: int = 0
+    held_at: int = -1  # its place among held-back requests (scoring batches group by it), -1 if trained on
 
     def features(self) -> np.ndarray:
         """[n - 2, F] on the host (waits for the read the first time). The rows are cut on the host:
@@ -192,6 +195,9 @@ class OnlineTrainer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._dir = ""  # where swapped-in heads are written (made with the trainer, removed at exit)
+        self._held_count = 0  # requests held back so far
+        self._in_use_scores: dict = {}  # (version, held_at of a group) -> the weights in use's agreement on it
+        self._last_head_groups: dict = {}  # group -> the agreement of the last head _scores scored
 
     # ---- traffic --------------------------------------------------------------------------------
 
@@ -208,7 +214,12 @@ class OnlineTrainer:
         rec = Served(np.asarray(ids[start:], np.int32), np.asarray(mask[start:], np.float32), feats, start - first)
         with self.lock:
             self.seen += 1
-            (self.held if self.seen % HOLDOUT == 0 else self.examples).append(rec)
+            if self.seen % HOLDOUT == 0:
+                rec.held_at = self._held_count
+                self._held_count += 1
+                self.held.append(rec)
+            else:
+                self.examples.append(rec)
             ready = len(self.examples) >= MIN_EXAMPLES and len(self.held) >= 2
         if ready and self._thread is None and not self._stop.is_set():
             self._thread = threading.Thread(target=self._run, name="jaxspec-online-train", daemon=True)
@@ -342,10 +353,14 @@ class OnlineTrainer:
         if tr is None or not held:
             return False
         candidate = tr.params
-        in_use, cand = self._scores(tr, held, ((self._served, self._served_vocab), (candidate, tr.ids)))
+        in_use, cand = self._scores(
+            tr, held, ((self._served, self._served_vocab), (candidate, tr.ids)), cache=self._in_use_scores
+        )
         swap = cand > in_use
         if swap:
             self._swap_in(candidate)
+            # the copy just scored is the head in use now: its agreement stands for the new version
+            self._in_use_scores = {(self.version, g): a for g, a in self._last_head_groups.items()}
         with self.lock:
             self.last_score = {"step": self.steps, "in_use": in_use, "candidate": cand, "swapped": swap}
         logger.info(
@@ -354,18 +369,37 @@ class OnlineTrainer:
         )  # fmt: skip
         return swap
 
-    def _scores(self, tr, held: list[Served], heads: tuple) -> list[float]:
-        """Each head's expected accept length on `held`, batches padded to their length bucket.
-        heads: (params, draft vocabulary [Vd]) pairs."""
+    def _scores(self, tr, held: list[Served], heads: tuple, cache: dict | None = None) -> list[float]:
+        """Each head's expected accept length on `held`, in groups of BATCH by arrival (held_at //
+        BATCH), each padded to its length bucket. heads: (params, draft vocabulary [Vd]) pairs.
+        cache: where the first head's agreement on a full group is kept, by (version, group), and
+        taken from when the same group is scored again at the same version (the first head must be
+        the weights in use); entries for groups no longer held or older versions are dropped. The
+        last head's agreement on full groups is left in _last_head_groups (a swapped-in copy's)."""
+        groups: dict[int, list[Served]] = {}
+        for r in held:
+            groups.setdefault(r.held_at // BATCH, []).append(r)
         sums = [np.zeros(self.depth) for _ in heads]
-        batches = 0
-        for s in range(0, len(held), BATCH):
-            args, nq = self._batch(tr, held[s : s + BATCH])
-            for acc, (params, vocab) in zip(sums, heads):
-                _, m = tr.eval_given(params, tr.rest, tr._tgt_params, *args, nq=nq, vocab=jnp.asarray(vocab))
-                acc += [float(m[f"acc_{i}"]) for i in range(self.depth)]
-            batches += 1
-        return [float(expected_accept(list(acc / max(batches, 1)))) for acc in sums]
+        kept, self._last_head_groups = {}, {}
+        for g, recs in groups.items():
+            key = (self.version, g)
+            hit = cache.get(key) if cache is not None and len(recs) == BATCH else None
+            args, nq = self._batch(tr, recs)
+            for i, (acc, (params, vocab)) in enumerate(zip(sums, heads)):
+                if i == 0 and hit is not None:
+                    a = hit
+                else:
+                    _, m = tr.eval_given(params, tr.rest, tr._tgt_params, *args, nq=nq, vocab=jnp.asarray(vocab))
+                    a = np.asarray([float(m[f"acc_{j}"]) for j in range(self.depth)])
+                if i == 0 and len(recs) == BATCH:
+                    kept[key] = a
+                if i == len(heads) - 1 and len(recs) == BATCH:
+                    self._last_head_groups[g] = a
+                acc += a
+        if cache is not None:
+            cache.clear()
+            cache.update(kept)
+        return [float(expected_accept(list(acc / max(len(groups), 1)))) for acc in sums]
 
     def _batch(self, tr, recs: list[Served]) -> tuple[tuple, int | None]:
         """((ids, mask, feats, first row or None) on the device, rows Q or None) for the trainer's
