@@ -136,13 +136,13 @@ def test_the_head_in_use_scores_each_held_back_group_once(dirs, monkeypatch):
     real = tr.eval_given
     monkeypatch.setattr(tr, "eval_given", lambda *a, **k: calls.append(1) or real(*a, **k))
     heads = ((ol._served, ol._served_vocab), (tr.params, tr.ids))
-    fresh = ol._scores(tr, list(ol.held), heads)
+    fresh = ol._scores(tr, list(ol.held), heads)[0]
     assert len(calls) == 6  # 3 groups x 2 heads
     calls.clear()
     cache: dict = {}
-    assert ol._scores(tr, list(ol.held), heads, cache=cache) == fresh and len(calls) == 6
+    assert ol._scores(tr, list(ol.held), heads, cache=cache)[0] == fresh and len(calls) == 6
     calls.clear()
-    assert ol._scores(tr, list(ol.held), heads, cache=cache) == fresh
+    assert ol._scores(tr, list(ol.held), heads, cache=cache)[0] == fresh
     assert len(calls) == 4  # the head in use: only the partial group again
     ol.train_steps(40)
     assert ol.score_and_swap()  # the copy's agreement on the two full groups now stands for the head in use

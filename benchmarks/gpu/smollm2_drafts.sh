@@ -45,6 +45,7 @@ OUT=${OUT:-/tmp/out}
 PART=15M  # files that come back from the GPU machine are at most 16 MiB each
 GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 source "$REPO/benchmarks/gpu/pieces.sh"
+SHIPPED=$REPO/jaxspec/drafts/smollm2-135m-instruct-eagle3  # the shipped EAGLE-3 head
 
 case "$1" in
 prepare)  # the pieces of the GPU checklist (GGUF, wheels, MT-bench), plus the ShareGPT text
@@ -118,12 +119,12 @@ from jaxspec.loader import load
 from jaxspec.train.trainer import output_rows
 from jaxspec.train.vocab import extend_head
 t = load("$MODEL", "float32", progress=False)
-s = extend_head("$REPO/jaxspec/drafts/smollm2-135m-instruct-eagle3", np.asarray(output_rows(t.model)), np.load("$W/widen_ids.npy"), "$W/prev")
+s = extend_head("$SHIPPED", np.asarray(output_rows(t.model)), np.load("$W/widen_ids.npy"), "$W/prev")
 print("widened the shipped head:", s)
 PYEOF
   fi
   if [ "${FROM:-}" = shipped ] && [ ! -f $W/prev/model.safetensors ]; then
-    mkdir -p $W/prev && cp "$REPO/jaxspec/drafts/smollm2-135m-instruct-eagle3"/{config.json,model.safetensors} $W/prev/
+    mkdir -p $W/prev && cp "$SHIPPED"/{config.json,model.safetensors} $W/prev/
   fi
   if [ -f $W/prev/model.safetensors ]; then  # from "stage c1" (and c2): continue the head a previous slice trained
     INIT=(--init-head $W/prev)
@@ -166,14 +167,12 @@ carry)  # DIR (an unpacked head) -> .gpuc1 (the head) and .gpuc2 (its answers), 
   ;;
 widen)  # dev machine: HEAD (a head widened from the shipped one) -> .gpu1/widen_ids.npy, the ids it added;
   # "train" then widens the shipped head on the GPU machine the same way and continues training it
-  $REPO/.venv/bin/python - "$2" "$REPO/.gpu1/widen_ids.npy" <<'PYEOF' || exit 1
+  $REPO/.venv/bin/python - "$2" "$SHIPPED" "$REPO/.gpu1/widen_ids.npy" <<'PYEOF' || exit 1
 import sys
 
 import numpy as np
 
 from jaxspec.convert.sources import open_source
-from jaxspec.drafts import bundled_draft_for
-from jaxspec.loader import load
 
 
 def ids(head):
@@ -181,10 +180,11 @@ def ids(head):
     return np.arange(len(d2t)) + d2t
 
 
-t = load(None, "float32", progress=False)
-add = np.setdiff1d(ids(sys.argv[1]), ids(bundled_draft_for(t.path, t.cfg, "EAGLE3")[1])).astype(np.int32)
-np.save(sys.argv[2], add)
-print(f"{len(add)} ids added -> {sys.argv[2]}")
+add = np.setdiff1d(ids(sys.argv[1]), ids(sys.argv[2])).astype(np.int32)
+if not len(add):
+    sys.exit(f"{sys.argv[1]} has no token the shipped head lacks")
+np.save(sys.argv[3], add)
+print(f"{len(add)} ids added -> {sys.argv[3]}")
 PYEOF
   ;;
 wait)

@@ -197,7 +197,6 @@ class OnlineTrainer:
         self._dir = ""  # where swapped-in heads are written (made with the trainer, removed at exit)
         self._held_count = 0  # requests held back so far
         self._in_use_scores: dict = {}  # (version, held_at of a group) -> the weights in use's agreement on it
-        self._last_head_groups: dict = {}  # group -> the agreement of the last head _scores scored
 
     # ---- traffic --------------------------------------------------------------------------------
 
@@ -353,14 +352,14 @@ class OnlineTrainer:
         if tr is None or not held:
             return False
         candidate = tr.params
-        in_use, cand = self._scores(
+        (in_use, cand), cand_groups = self._scores(
             tr, held, ((self._served, self._served_vocab), (candidate, tr.ids)), cache=self._in_use_scores
         )
         swap = cand > in_use
         if swap:
             self._swap_in(candidate)
             # the copy just scored is the head in use now: its agreement stands for the new version
-            self._in_use_scores = {(self.version, g): a for g, a in self._last_head_groups.items()}
+            self._in_use_scores = {(self.version, g): a for g, a in cand_groups.items()}
         with self.lock:
             self.last_score = {"step": self.steps, "in_use": in_use, "candidate": cand, "swapped": swap}
         logger.info(
@@ -369,18 +368,18 @@ class OnlineTrainer:
         )  # fmt: skip
         return swap
 
-    def _scores(self, tr, held: list[Served], heads: tuple, cache: dict | None = None) -> list[float]:
+    def _scores(self, tr, held: list[Served], heads: tuple, cache: dict | None = None) -> tuple[list[float], dict]:
         """Each head's expected accept length on `held`, in groups of BATCH by arrival (held_at //
         BATCH), each padded to its length bucket. heads: (params, draft vocabulary [Vd]) pairs.
         cache: where the first head's agreement on a full group is kept, by (version, group), and
         taken from when the same group is scored again at the same version (the first head must be
-        the weights in use); entries for groups no longer held or older versions are dropped. The
-        last head's agreement on full groups is left in _last_head_groups (a swapped-in copy's)."""
+        the weights in use); entries for groups no longer held or older versions are dropped.
+        -> (each head's score, the last head's agreement [depth] on each full group, by group)."""
         groups: dict[int, list[Served]] = {}
         for r in held:
             groups.setdefault(r.held_at // BATCH, []).append(r)
         sums = [np.zeros(self.depth) for _ in heads]
-        kept, self._last_head_groups = {}, {}
+        kept, last = {}, {}
         for g, recs in groups.items():
             key = (self.version, g)
             hit = cache.get(key) if cache is not None and len(recs) == BATCH else None
@@ -394,12 +393,12 @@ class OnlineTrainer:
                 if i == 0 and len(recs) == BATCH:
                     kept[key] = a
                 if i == len(heads) - 1 and len(recs) == BATCH:
-                    self._last_head_groups[g] = a
+                    last[g] = a
                 acc += a
         if cache is not None:
             cache.clear()
             cache.update(kept)
-        return [float(expected_accept(list(acc / max(len(groups), 1)))) for acc in sums]
+        return [float(expected_accept(list(acc / max(len(groups), 1)))) for acc in sums], last
 
     def _batch(self, tr, recs: list[Served]) -> tuple[tuple, int | None]:
         """((ids, mask, feats, first row or None) on the device, rows Q or None) for the trainer's
