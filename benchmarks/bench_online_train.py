@@ -1,11 +1,13 @@
 """Online draft training on one domain's traffic: does the accept length rise, and what does it cost?
 
-A stream of code prompts (HumanEval's 164 function stubs, each with a few instructions: complete,
-explain, test, simplify, so 656 in all, shuffled, cut to --prompts) goes to `jaxspec serve` at --concurrency,
+A stream of one domain's prompts goes to `jaxspec serve` at --concurrency,
 greedy, chat template, at most --max-tokens new tokens, in the same order twice: once with the
 server as it is and once with --speculative-online-train. Per run it reports the mean accept length
 (meta_info's spec_accept_length) over the first and the last --window requests, tokens per second
-over the whole stream, and whether the outputs of the two runs are identical. With online training
+over the whole stream, and whether the outputs of the two runs are identical. The domains
+(--domain): code, HumanEval's 164 function stubs, each under a few instructions (complete, explain,
+test, simplify: 656 in all, shuffled, cut to --prompts); support, distinct customer messages to the
+support bot of a made-up hosting company, under the bot's system prompt. With online training
 the adapted head is saved (POST /save_draft) and a third server, started from it without online
 training, serves the last window again.
 
@@ -49,6 +51,98 @@ def code_prompts(n: int) -> list[str]:
     return prompts[:n]
 
 
+# A made-up company, so that no draft was trained on its traffic: its names, its console and its
+# command-line tool recur in every answer.
+SYSTEM = (
+    "You are Nova, the support assistant of Larkspur Cloud, a hosting company. Larkspur sells "
+    "LarkVM (virtual machines), LarkDB (managed PostgreSQL), LarkStore (object storage), LarkMail "
+    "(business email) and LarkDNS. Customers manage everything in the Larkspur Console at "
+    "console.larkspur.example and with the `lark` command-line tool. Plans: Starter, Team and "
+    "Enterprise. Answer in short numbered steps, name the exact Console page or `lark` command, and "
+    'end with: "Anything else I can help with?"'
+)
+
+PRODUCTS = {
+    "LarkVM": [
+        "my VM won't boot after a resize",
+        "I can't SSH into my virtual machine",
+        "how do I take a snapshot of a VM",
+        "my VM's disk is full",
+        "how do I move a VM to another region",
+        "the VM is very slow since yesterday",
+        "how do I add a second network interface",
+        "I lost the root password of my VM",
+    ],
+    "LarkDB": [
+        "how do I restore yesterday's backup",
+        "connections to my database time out",
+        "how do I add a read replica",
+        "my database ran out of storage",
+        "how do I upgrade PostgreSQL to a newer version",
+        "queries got slow after the migration",
+        "how do I rotate the database password",
+        "how can I allow access from my office IP",
+    ],
+    "LarkStore": [
+        "how do I make a bucket public",
+        "uploads fail with error 403",
+        "how do I set a lifecycle rule to delete old files",
+        "how do I sync a folder to a bucket",
+        "my storage bill is higher than expected",
+        "how do I enable versioning",
+        "how do I generate a temporary download link",
+        "a file I deleted needs to come back",
+    ],
+    "LarkMail": [
+        "emails to Gmail land in spam",
+        "how do I add a new mailbox for a colleague",
+        "I can't log in to webmail",
+        "how do I set up an auto-reply",
+        "how do I configure Outlook",
+        "how do I forward all mail to another address",
+        "a mailbox is full",
+        "how do I set up SPF and DKIM",
+    ],
+    "LarkDNS": [
+        "my domain doesn't resolve after moving it",
+        "how do I add an MX record",
+        "how do I point my domain to a LarkVM",
+        "DNS changes take too long",
+        "how do I add a TXT record for verification",
+        "how do I transfer my domain away",
+        "how do I set up a subdomain",
+        "how do I enable DNSSEC",
+    ],
+}
+PLANS = ["Starter", "Team", "Enterprise"]
+OPENINGS = [
+    "Hi, {q}?",
+    "Hello! I'm on the {plan} plan and {q}.",
+    "{Q} - can you help?",
+    "Quick question about {prod}: {q}?",
+    "Hey Nova, {q}. Thanks!",
+    "We use {prod} on the {plan} plan. {Q}.",
+    "Urgent: {q}!",
+    "Good morning. {Q}, what should I do?",
+]
+NAMES = ["", " My account is acme-{n}.", " Ticket #{n}.", " This is for our shop, order {n}."]
+
+
+def support_prompts(n: int, seed: int = 0) -> list[str]:
+    """n distinct customer messages to a made-up hosting company's support bot (answered under SYSTEM)."""
+    rng = random.Random(seed)
+    seen, out = set(), []
+    while len(out) < n:
+        prod = rng.choice(list(PRODUCTS))
+        q = rng.choice(PRODUCTS[prod])
+        text = rng.choice(OPENINGS).format(q=q, Q=q[0].upper() + q[1:], prod=prod, plan=rng.choice(PLANS))
+        text += rng.choice(NAMES).format(n=rng.randrange(1000, 9999))
+        if text not in seen:
+            seen.add(text)
+            out.append(text)
+    return out
+
+
 def serve(flags: str) -> tuple[subprocess.Popen, Client]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -67,9 +161,13 @@ def serve(flags: str) -> tuple[subprocess.Popen, Client]:
         time.sleep(2)
 
 
-def stream(cl: Client, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[list[dict], float]:
+def stream(
+    cl: Client, prompts: list[str], concurrency: int, max_tokens: int, system: str | None = None
+) -> tuple[list[dict], float]:
+    head = [{"role": "system", "content": system}] if system else []
+
     def one(p: str) -> dict:
-        body = {"messages": [{"role": "user", "content": p}], "max_tokens": max_tokens, "temperature": 0}
+        body = {"messages": [*head, {"role": "user", "content": p}], "max_tokens": max_tokens, "temperature": 0}
         status, out = cl.call("POST", "/v1/chat/completions", body)
         if status != 200:
             raise SystemExit(f"request failed: {status} {out}")
@@ -93,6 +191,13 @@ def mean(xs) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--domain",
+        choices=("code", "support"),
+        default="code",
+        help="code: HumanEval stubs under four instructions; support: customer messages to a made-up "
+        "hosting company's support bot, under its system prompt",
+    )
     ap.add_argument("--prompts", type=int, default=600)
     ap.add_argument("--window", type=int, default=200, help="requests in the first and the last window")
     ap.add_argument("--concurrency", type=int, default=4)
@@ -106,16 +211,21 @@ def main() -> int:
     ap.add_argument("--online-args", default="", help="further flags of the online-training server")
     ap.add_argument("--online-only", action="store_true", help="skip the run without online training (a pilot)")
     args = ap.parse_args()
-    prompts = code_prompts(args.prompts)
+    prompts = code_prompts(args.prompts) if args.domain == "code" else support_prompts(args.prompts)
+    system = SYSTEM if args.domain == "support" else None
     w = min(args.window, len(prompts) // 2)
-    print(machine(), f"{len(prompts)} prompts, concurrency {args.concurrency}, {args.max_tokens} tokens", flush=True)
+    print(
+        machine(),
+        f"{args.domain}: {len(prompts)} prompts, concurrency {args.concurrency}, {args.max_tokens} tokens",
+        flush=True,
+    )
     saved = tempfile.mkdtemp(prefix="online-head-")
     results = {}
     runs = (("off", ""), ("online", f"--speculative-online-train {args.online_args}"))
     for name, extra in runs[1:] if args.online_only else runs:
         proc, cl = serve(f"{args.serve_args} {extra}")
         try:
-            rows, wall = stream(cl, prompts, args.concurrency, args.max_tokens)
+            rows, wall = stream(cl, prompts, args.concurrency, args.max_tokens, system)
             info = cl.call("GET", "/get_server_info")[1]
             if name == "online":
                 status, out = cl.call("POST", "/save_draft", {"path": saved})
@@ -144,7 +254,7 @@ def main() -> int:
         print(f"identical outputs: {same}/{len(prompts)}", flush=True)
     proc, cl = serve(f"{args.serve_args} --speculative-draft-model-path {saved}")
     try:
-        rows, wall = stream(cl, prompts[-w:], args.concurrency, args.max_tokens)
+        rows, wall = stream(cl, prompts[-w:], args.concurrency, args.max_tokens, system)
     finally:
         proc.terminate()
         proc.wait(60)

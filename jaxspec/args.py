@@ -223,13 +223,21 @@ class SpeculativeArgs:
     speculative_online_train_buffer: int = flag(512, "online training: finished requests kept (oldest dropped)")
     speculative_online_train_lr: float = flag(3e-4, "online training: learning rate (AdamW)")
     speculative_online_train_share: float = flag(
-        0.25, "online training: at most this share of wall time spent training"
+        0.25,
+        "online training: at most this share of the time spent training (in a second process: of the machine's "
+        "CPU time)",
     )
     speculative_online_train_swap_every: int = flag(
         20, "online training: training steps between scoring the new weights against those in use"
     )
     speculative_online_train_save: str | None = flag(
         None, "online training: write the head in use here (public EAGLE-3 layout) at every swap"
+    )
+    speculative_online_train_process: bool | None = flag(
+        None,
+        "online training: train in a second process at the lowest CPU priority, so that serving has the CPU "
+        "first (unset: on when the target runs on the CPU and was loaded from a path; off: a thread of the "
+        "serving process)",
     )
     speculative_ngram_min_match_window_size: int = flag(1, "NGRAM: shortest suffix match used")
     speculative_ngram_max_match_window_size: int = flag(12, "NGRAM: longest suffix match tried")

@@ -60,6 +60,7 @@ from jaxspec.sharding import check_heads, kv_sharding, make_mesh, replicate
 from jaxspec.speculative.adaptive import Adaptive, shape_label
 from jaxspec.speculative.loop import spec_block, spec_prefill_chunk, spec_start
 from jaxspec.speculative.online import OnlineConfig, OnlineTrainer
+from jaxspec.speculative.online_process import OnlineProcess, wanted_process
 from jaxspec.speculative.proposers import Proposer
 from jaxspec.speculative.proposers.eagle import EagleProposer, unpack_features
 from jaxspec.speculative.proposers.ngram import Corpus
@@ -191,11 +192,12 @@ class Engine:
         if self.spec.algorithm == "NGRAM":
             self.reset_ngram_corpus()
         self._rng = np.random.default_rng(args.random_seed)
-        self.online: OnlineTrainer | None = None
+        self.online: OnlineTrainer | OnlineProcess | None = None
         if args.speculative_online_train:
             if not self.spec.enabled:
                 raise JaxspecError("speculative_online_train needs a draft (--speculative-algorithm EAGLE3)")
-            self.online = OnlineTrainer(self, OnlineConfig.from_args(args))
+            cfg = OnlineConfig.from_args(args)
+            self.online = OnlineProcess(self, cfg) if wanted_process(cfg, self.loaded) else OnlineTrainer(self, cfg)
             # the draft cache keeps the target's features for it to train on (no second forward)
             assert isinstance(self.proposer, EagleProposer)  # (OnlineTrainer refuses other drafts)
             self.proposer = dataclasses.replace(self.proposer, keep_features=True)

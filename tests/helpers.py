@@ -398,8 +398,9 @@ def start(model_dirs, **flags):
     ]
     if not flags.pop("background_compile", False):  # spare the 2 test cores
         argv.append("--disable-background-compile")
-    for k, v in flags.items():
-        argv += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    for k, v in flags.items():  # (False: a switch's --no- form)
+        name = k.replace("_", "-")
+        argv += [f"--no-{name}"] if v is False else [f"--{name}"] + ([] if v is True else [str(v)])
     app, sched = build(build_parser().parse_args(argv), progress=False)
     return Server(app, sched)
 

@@ -36,7 +36,10 @@ def dirs(tmp_path_factory):
 
 
 def _engine(dirs, **kw):
+    """An engine whose online training (when on) runs in a thread of the serving process, whose
+    internals a test can reach, unless told otherwise."""
     target, head = dirs
+    kw.setdefault("speculative_online_train_process", False)
     return Engine(
         target,
         skip_tokenizer_init=True,
@@ -54,13 +57,18 @@ def _accept(eng, prompts) -> float:
 
 
 def test_the_head_adapts_and_output_does_not_change(dirs, tmp_path):
+    """In a second process (the default on the CPU): the head it trains is swapped into this one."""
     eng = _engine(
         dirs,
         speculative_online_train=True,
+        speculative_online_train_process=True,
         speculative_online_train_lr=1e-2,
         speculative_online_train_share=1.0,
         speculative_online_train_swap_every=10,
     )
+    from jaxspec.speculative.online_process import OnlineProcess
+
+    assert isinstance(eng.online, OnlineProcess)
     rng = np.random.default_rng(0)
     probe = [list(rng.integers(0, V, 4)) for _ in range(6)]
     before, out_before = _accept(eng, probe)
@@ -93,6 +101,21 @@ def test_the_head_adapts_and_output_does_not_change(dirs, tmp_path):
     )
     again, out_again = _accept(fresh, probe)
     assert out_again == expect and again > before + 0.3, (before, again)
+
+
+def test_serving_outlives_the_training_process(dirs):
+    """The training process killed mid-run: requests are still served, token-identical, with the
+    head in use, and the stats still answer."""
+    eng = _engine(dirs, speculative_online_train=True, speculative_online_train_process=True)
+    rng = np.random.default_rng(4)
+    probe = [list(rng.integers(0, V, 4)) for _ in range(4)]
+    _, before = _accept(eng, probe)
+    eng.online._proc.kill()
+    eng.online._proc.wait(30)
+    _, after = _accept(eng, probe)
+    assert after == before
+    assert eng.online.stats()["draft_version"] == 0
+    eng.online.close()
 
 
 def test_a_failed_step_is_dropped(dirs, monkeypatch):
@@ -338,6 +361,7 @@ def test_the_server_shows_and_saves_the_head(served, tmp_path):
         speculative_num_draft_tokens=4,
         speculative_online_train=True,
         speculative_online_train_share=0.1,
+        speculative_online_train_process=False,  # a thread, so that the test can read its buffer
     )
     try:
         for i in range(6):

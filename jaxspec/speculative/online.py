@@ -4,11 +4,12 @@
 Every finished request goes into a bounded buffer (every HOLDOUT-th one is held back instead, for
 scoring): its last MAX_LEN tokens and the target's features at their positions, read back from
 the draft cache, where serving kept them (EagleProposer.keep_features): verification computed
-them already, so training runs no target forward. A background thread trains a copy of the head
+them already, so training runs no target forward. A background thread (of the serving process, or
+of a training process of its own: online_process.py, the default on the CPU) trains a copy of the head
 in use with `train-draft`'s EAGLE-3 training-time-test loss (jaxspec/train/trainer.py) on
 batches drawn from the buffer, the labels being the tokens served (the target's own: its argmax
 at temperature 0, its samples otherwise). It spends at most `speculative_online_train_share` of
-the wall time training (it sleeps the rest), so serving keeps the other share. Every
+the time training (it sleeps the rest; OnlineTrainer.clock), so serving keeps the other share. Every
 `speculative_online_train_swap_every` steps it scores the copy and the weights in use on the
 held-back slice by the accept length a chain of the tree's depth would get from their per-depth
 top-1 agreement with the served tokens:
@@ -104,6 +105,14 @@ class Served:
         return self.feats
 
 
+def served(prompt_ids: list[int], output_ids: list[int], feats, first: int = 0) -> Served:
+    """A finished request as online training keeps it (OnlineTrainer.observe's arguments)."""
+    ids = [int(t) for t in prompt_ids] + [int(t) for t in output_ids]
+    start = max(0, len(ids) - MAX_LEN)
+    mask = [0] * len(prompt_ids) + [1] * len(output_ids)
+    return Served(np.asarray(ids[start:], np.int32), np.asarray(mask[start:], np.float32), feats, start - first)
+
+
 def pad_served(recs: list[Served], length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """-> ids [B, length] int32, mask [B, length] float32, feats [B, length, F] (0 on padding)."""
     fs = [r.features() for r in recs]
@@ -132,9 +141,10 @@ def query_rows(recs: list[Served], length: int, depth: int) -> tuple[np.ndarray 
 class OnlineConfig:
     buffer: int = 512  # requests kept for training (the oldest dropped first)
     lr: float = 3e-4
-    share: float = 0.25  # at most this share of wall time spent training
+    share: float = 0.25  # at most this share of the time spent training (OnlineTrainer.clock)
     swap_every: int = 20  # training steps between scores (and swaps)
     save: str | None = None  # write the head here at every swap
+    process: bool | None = None  # train in a second process (online_process.py); None: on the CPU
 
     @classmethod
     def from_args(cls, args) -> OnlineConfig:
@@ -144,6 +154,7 @@ class OnlineConfig:
             share=args.speculative_online_train_share,
             swap_every=args.speculative_online_train_swap_every,
             save=args.speculative_online_train_save,
+            process=args.speculative_online_train_process,
         )
 
 
@@ -156,27 +167,47 @@ def expected_accept(acc: list[float]) -> float:
     return total
 
 
-class OnlineTrainer:
-    """The buffer, the background training thread and the swap, for one engine."""
+def check(engine, cfg: OnlineConfig) -> None:
+    """Refuses a draft, a target or settings online training cannot work with (JaxspecError)."""
+    spec = engine.spec
+    if spec.algorithm != "EAGLE3":
+        raise JaxspecError(
+            f"speculative_online_train trains EAGLE-3 heads; the draft here is {spec.algorithm} "
+            "(use --speculative-algorithm EAGLE3)"
+        )
+    if engine.quantization is not None or engine.tp_size > 1:
+        raise JaxspecError(
+            "speculative_online_train needs an unquantized target on one device (the head learns from the "
+            "target's float features)"
+        )
+    if not 0 < cfg.share <= 1 or cfg.buffer < MIN_EXAMPLES or cfg.swap_every < 1 or not cfg.lr > 0:
+        raise JaxspecError(
+            f"speculative_online_train: share must be in (0, 1], buffer >= {MIN_EXAMPLES}, swap_every >= 1 "
+            f"and lr > 0 (got {cfg.share}, {cfg.buffer}, {cfg.swap_every}, {cfg.lr})"
+        )
 
-    def __init__(self, engine, cfg: OnlineConfig):
+
+def cpu_seconds() -> float:
+    """CPU time this process has used, over the machine's cores: seconds of the whole machine."""
+    return time.process_time() / (os.cpu_count() or 1)
+
+
+class OnlineTrainer:
+    """The buffer, the background training thread and the swap, for one engine (or, in the training
+    process, for online_process's stand-in for it).
+
+    out_dir: where swapped-in heads are written (default: a temporary folder removed at exit);
+    on_change: called with stats() after every step and scoring; prune: remove the previous
+    swapped-in head at a swap (the training process leaves that to the serving one, which may
+    still be reading it); clock: the seconds the share counts (wall time; the training process
+    counts its CPU time over the machine's, cpu_seconds, since serving has the CPU first)."""
+
+    def __init__(self, engine, cfg: OnlineConfig, out_dir: str | None = None, on_change=None, prune=True, clock=None):
+        check(engine, cfg)
         spec = engine.spec
-        if spec.algorithm != "EAGLE3":
-            raise JaxspecError(
-                f"speculative_online_train trains EAGLE-3 heads; the draft here is {spec.algorithm} "
-                "(use --speculative-algorithm EAGLE3)"
-            )
-        if engine.quantization is not None or engine.tp_size > 1:
-            raise JaxspecError(
-                "speculative_online_train needs an unquantized target on one device (the head learns from the "
-                "target's float features)"
-            )
-        if not 0 < cfg.share <= 1 or cfg.buffer < MIN_EXAMPLES or cfg.swap_every < 1 or not cfg.lr > 0:
-            raise JaxspecError(
-                f"speculative_online_train: share must be in (0, 1], buffer >= {MIN_EXAMPLES}, swap_every >= 1 "
-                f"and lr > 0 (got {cfg.share}, {cfg.buffer}, {cfg.swap_every}, {cfg.lr})"
-            )
         self.engine, self.cfg = engine, cfg
+        self.on_change, self.prune = on_change, prune
+        self.clock = clock or time.monotonic
         self.depth = max(2, min(spec.num_steps, 7))  # TTT depth = the chain's depth the score assumes
         self.head_path = spec.draft_model_path  # the head in use, in the public layout
         self.examples: collections.deque = collections.deque(maxlen=cfg.buffer)
@@ -194,7 +225,7 @@ class OnlineTrainer:
         self._rng = np.random.default_rng(0)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._dir = ""  # where swapped-in heads are written (made with the trainer, removed at exit)
+        self._dir = out_dir or ""  # where swapped-in heads are written (default: made with the trainer)
         self._held_count = 0  # requests held back so far
         self._in_use_scores: dict = {}  # (version, held_at of a group) -> the weights in use's agreement on it
 
@@ -205,12 +236,13 @@ class OnlineTrainer:
         features serving kept for it (row j: position first + j; at least the positions
         [max(0, n - MAX_LEN), n - 2) of its n tokens), a device array whose computation may still
         be running (it is read by the training thread). Never blocks on training or the device."""
-        ids = [int(t) for t in prompt_ids] + [int(t) for t in output_ids]
-        if not output_ids or len(ids) < 3:
+        if not output_ids or len(prompt_ids) + len(output_ids) < 3:
             return
-        start = max(0, len(ids) - MAX_LEN)
-        mask = [0] * len(prompt_ids) + [1] * len(output_ids)
-        rec = Served(np.asarray(ids[start:], np.int32), np.asarray(mask[start:], np.float32), feats, start - first)
+        self.add(served(prompt_ids, output_ids, feats, first))
+
+    def add(self, rec: Served) -> None:
+        """A finished request, as Served: into the training buffer or the held-back slice; starts the
+        training thread once there is enough to train on."""
         with self.lock:
             self.seen += 1
             if self.seen % HOLDOUT == 0:
@@ -262,8 +294,9 @@ class OnlineTrainer:
         with self.lock:
             examples = [Example(list(r.ids), list(r.mask)) for r in self.examples]
         tcfg = _head_config(self.head_path)
-        self._dir = tempfile.mkdtemp(prefix="jaxspec-online-")
-        atexit.register(shutil.rmtree, self._dir, True)
+        if not self._dir:
+            self._dir = tempfile.mkdtemp(prefix="jaxspec-online-")
+            atexit.register(shutil.rmtree, self._dir, True)
         tr = Trainer(self.engine.loaded, tcfg, examples, cfg, self._dir, progress=False, init_head=self.head_path)
         self._served = jax.tree.map(jnp.copy, tr.params)
         self._served_vocab = np.asarray(tr.ids)
@@ -300,14 +333,21 @@ class OnlineTrainer:
         scored = 0  # the step count at the last scoring (a dropped step leaves the count as it was)
         self._revise_vocab_logged()
         while not self._stop.is_set():  # the buffer holds at least MIN_EXAMPLES requests from here on
-            t0 = time.monotonic()
+            t0, w0 = self.clock(), time.monotonic()
             self.train_steps(1)
             if self.steps - scored >= self.cfg.swap_every:
                 scored = self.steps
                 self.score_and_swap()
                 self._revise_vocab_logged()
-            spent = time.monotonic() - t0
-            self._stop.wait(spent * (1 - self.cfg.share) / self.cfg.share)  # the serving share
+            self.report()
+            # the serving share: training took `spent` of the clock; wait until that is `share` of the time
+            spent = self.clock() - t0
+            self._stop.wait(max(0.0, spent / self.cfg.share - (time.monotonic() - w0)))
+
+    def report(self) -> None:
+        """Hands stats() to on_change (the training process sends them to the serving one)."""
+        if self.on_change is not None:
+            self.on_change(self.stats())
 
     def _revise_vocab_logged(self) -> None:
         try:
@@ -425,7 +465,7 @@ class OnlineTrainer:
         self._served = jax.tree.map(jnp.copy, params)
         self._served_vocab = np.asarray(tr.ids)
         old, self.head_path = self.head_path, path
-        if os.path.dirname(old) == self._dir:  # an earlier swapped-in head: only the one in use is kept
+        if self.prune and os.path.dirname(old) == self._dir:  # an earlier swapped-in head: only the one in use is kept
             shutil.rmtree(old, ignore_errors=True)
         with self.lock:
             self.version += 1
