@@ -118,6 +118,27 @@ def test_serving_outlives_the_training_process(dirs):
     eng.online.close()
 
 
+def test_a_target_given_in_memory_trains_in_a_thread(dirs):
+    """The training process loads the target from its path: a target given in memory has none, so
+    training runs in a thread by default, and asking for the process is a clear error."""
+    from jaxspec.speculative.online import OnlineTrainer
+
+    model = load(dirs[0], with_tokenizer=False, progress=False).model
+    kw = dict(
+        skip_tokenizer_init=True,
+        show_progress=False,
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=dirs[1],
+        speculative_online_train=True,
+        **CHAIN,
+    )
+    eng = Engine.from_model(model, **kw)
+    assert isinstance(eng.online, OnlineTrainer)
+    eng.online.close()
+    with pytest.raises(JaxspecError, match="given in memory"):
+        Engine.from_model(model, speculative_online_train_process=True, **kw)
+
+
 def test_a_failed_step_is_dropped(dirs, monkeypatch):
     eng = _engine(dirs, speculative_online_train=True, speculative_online_train_share=1.0)
     rng = np.random.default_rng(1)

@@ -48,7 +48,12 @@ def wanted_process(cfg: OnlineConfig, loaded) -> bool:
         return cfg.process
     import jax
 
-    return jax.default_backend() == "cpu" and bool(getattr(loaded, "path", None))
+    return jax.default_backend() == "cpu" and loadable(loaded)
+
+
+def loadable(loaded) -> bool:
+    """Whether the target was loaded from a path that holds it (not given in memory)."""
+    return loaded.source_kind != "memory" and os.path.exists(loaded.path)
 
 
 class OnlineProcess:
@@ -56,7 +61,7 @@ class OnlineProcess:
 
     def __init__(self, engine, cfg: OnlineConfig):
         check(engine, cfg)
-        if not getattr(engine.loaded, "path", None):
+        if not loadable(engine.loaded):
             raise JaxspecError(
                 "speculative_online_train_process: the training process loads the target from its path, and this "
                 "target was given in memory (leave the setting unset, or off)"
