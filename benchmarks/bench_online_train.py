@@ -12,6 +12,7 @@ the adapted head is saved (POST /save_draft) and a third server, started from it
 training, serves the last window again.
 
     python benchmarks/bench_online_train.py --prompts 600 --concurrency 4 --window 200
+    python benchmarks/bench_online_train.py --domain support --prompts 600 --window 200 --max-tokens 48
 """
 
 from __future__ import annotations
