@@ -78,11 +78,14 @@ def test_the_head_adapts_and_output_does_not_change(dirs, tmp_path):
         sampling_params=[dict(temperature=1.0, max_new_tokens=28, ignore_eos=True, seed=i) for i in range(160)],
     )
     deadline = time.monotonic() + 240
-    while eng.online.stats()["draft_version"] < 1 and time.monotonic() < deadline:
+    swapped = lambda s: s["draft_version"] >= 1 and s["online_train_last_swap"] is not None
+    while not swapped(eng.online.stats()) and time.monotonic() < deadline:
         time.sleep(1)
     stats = eng.online.stats()
     assert stats["draft_version"] >= 1, stats
-    assert stats["online_train_score_candidate"] > stats["online_train_score_in_use"]
+    # the scoring that swapped it in (later scorings go on while training does)
+    swap = stats["online_train_last_swap"]
+    assert swap["swapped"] and swap["candidate"] > swap["in_use"], swap
     after, out_after = _accept(eng, probe)
     plain = Engine(dirs[0], skip_tokenizer_init=True, show_progress=False, speculative_algorithm="NONE")
     expect = [r["output_ids"] for r in plain.generate(input_ids=probe, sampling_params=GREEDY)]

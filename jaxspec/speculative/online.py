@@ -105,8 +105,11 @@ class Served:
         return self.feats
 
 
-def served(prompt_ids: list[int], output_ids: list[int], feats, first: int = 0) -> Served:
-    """A finished request as online training keeps it (OnlineTrainer.observe's arguments)."""
+def served(prompt_ids: list[int], output_ids: list[int], feats, first: int = 0) -> Served | None:
+    """A finished request as online training keeps it (OnlineTrainer.observe's arguments), or None
+    when it has nothing to learn from (no output, or fewer than 3 tokens)."""
+    if not output_ids or len(prompt_ids) + len(output_ids) < 3:
+        return None
     ids = [int(t) for t in prompt_ids] + [int(t) for t in output_ids]
     start = max(0, len(ids) - MAX_LEN)
     mask = [0] * len(prompt_ids) + [1] * len(output_ids)
@@ -187,6 +190,29 @@ def check(engine, cfg: OnlineConfig) -> None:
         )
 
 
+# stats() before any training (the training process's first report)
+NO_STATS = {
+    "draft_version": 0,
+    "online_train_steps": 0,
+    "online_train_failed_steps": 0,
+    "online_train_vocab_replaced": 0,
+    "online_train_buffer": 0,
+    "online_train_held_out": 0,
+    "online_train_score_in_use": None,
+    "online_train_score_candidate": None,
+    "online_train_last_swap": None,
+}
+
+
+def copy_head(src: str, dst: str) -> str:
+    """Copies the head at `src` (public EAGLE-3 layout) to `dst`; returns dst. A fresh engine loads
+    it with --speculative-draft-model-path."""
+    os.makedirs(dst, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    return dst
+
+
 def cpu_seconds() -> float:
     """CPU time this process has used, over the machine's cores: seconds of the whole machine."""
     return time.process_time() / (os.cpu_count() or 1)
@@ -220,6 +246,7 @@ class OnlineTrainer:
         self.vocab_replaced = 0  # draft-vocabulary tokens replaced so far (revise_vocab)
         self._served_vocab: Any = None  # the draft vocabulary of the weights in use [Vd]
         self.last_score: dict | None = None  # the last scoring: step, score in use, score of the copy, swapped
+        self.last_swap: dict | None = None  # the scoring that swapped the head in use in (the same keys)
         self._trainer: Any = None
         self._served: Any = None  # the weights in use, in the trainer's layout
         self._rng = np.random.default_rng(0)
@@ -236,9 +263,9 @@ class OnlineTrainer:
         features serving kept for it (row j: position first + j; at least the positions
         [max(0, n - MAX_LEN), n - 2) of its n tokens), a device array whose computation may still
         be running (it is read by the training thread). Never blocks on training or the device."""
-        if not output_ids or len(prompt_ids) + len(output_ids) < 3:
-            return
-        self.add(served(prompt_ids, output_ids, feats, first))
+        rec = served(prompt_ids, output_ids, feats, first)
+        if rec is not None:
+            self.add(rec)
 
     def add(self, rec: Served) -> None:
         """A finished request, as Served: into the training buffer or the held-back slice; starts the
@@ -270,6 +297,7 @@ class OnlineTrainer:
                 "online_train_held_out": len(self.held),
                 "online_train_score_in_use": None if last is None else last["in_use"],
                 "online_train_score_candidate": None if last is None else last["candidate"],
+                "online_train_last_swap": self.last_swap,
             }
 
     def close(self) -> None:
@@ -402,6 +430,8 @@ class OnlineTrainer:
             self._in_use_scores = {(self.version, g): a for g, a in cand_groups.items()}
         with self.lock:
             self.last_score = {"step": self.steps, "in_use": in_use, "candidate": cand, "swapped": swap}
+            if swap:
+                self.last_swap = self.last_score
         logger.info(
             "online draft training: step %d, score in use %.3f, candidate %.3f%s",
             self.steps, in_use, cand, " (swapped in)" if swap else "",
@@ -473,12 +503,8 @@ class OnlineTrainer:
             self.save(self.cfg.save)
 
     def save(self, path: str) -> str:
-        """Writes the head in use (public EAGLE-3 layout) to `path`; returns it. A fresh engine loads
-        it with --speculative-draft-model-path."""
-        os.makedirs(path, exist_ok=True)
-        for name in ("config.json", "model.safetensors"):
-            shutil.copy(os.path.join(self.head_path, name), os.path.join(path, name))
-        return path
+        """Writes the head in use to `path` (copy_head); returns it."""
+        return copy_head(self.head_path, path)
 
 
 def _head_config(path: str) -> dict:

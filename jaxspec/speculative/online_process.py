@@ -35,7 +35,15 @@ import types
 from multiprocessing.connection import Connection
 
 from jaxspec.errors import JaxspecError
-from jaxspec.speculative.online import OnlineConfig, OnlineTrainer, check, cpu_seconds, served
+from jaxspec.speculative.online import (
+    NO_STATS,
+    OnlineConfig,
+    OnlineTrainer,
+    check,
+    copy_head,
+    cpu_seconds,
+    served,
+)
 
 logger = logging.getLogger(__name__)
 NICE = 19  # the training process's niceness: serving has the CPU first
@@ -66,7 +74,7 @@ class OnlineProcess:
                 "speculative_online_train_process: the training process loads the target from its path, and this "
                 "target was given in memory (leave the setting unset, or off)"
             )
-        self.engine, self.cfg = engine, cfg
+        self.engine = engine
         self.head_path = engine.spec.draft_model_path  # the head in use
         self._dir = tempfile.mkdtemp(prefix="jaxspec-online-")
         self._lock = threading.Lock()
@@ -99,10 +107,11 @@ class OnlineProcess:
     def observe(self, prompt_ids: list[int], output_ids: list[int], feats, first: int = 0) -> None:
         """As OnlineTrainer.observe; never blocks (when the training process falls a buffer behind,
         the request is dropped)."""
-        if not output_ids or len(prompt_ids) + len(output_ids) < 3 or self._stop.is_set():
+        rec = served(prompt_ids, output_ids, feats, first)
+        if rec is None or self._stop.is_set():
             return
         try:
-            self._todo.put_nowait(served(prompt_ids, output_ids, feats, first))
+            self._todo.put_nowait(rec)
         except queue.Full:
             pass
 
@@ -156,28 +165,12 @@ class OnlineProcess:
         """As OnlineTrainer.stats, as the training process last reported them (draft_version: the
         heads swapped in here)."""
         with self._lock:
-            out = {
-                "draft_version": 0,
-                "online_train_steps": 0,
-                "online_train_failed_steps": 0,
-                "online_train_vocab_replaced": 0,
-                "online_train_buffer": 0,
-                "online_train_held_out": 0,
-                "online_train_score_in_use": None,
-                "online_train_score_candidate": None,
-                **self._stats,
-            }
-            out["draft_version"] = self.version
-            return out
+            return {**NO_STATS, **self._stats, "draft_version": self.version}
 
     def save(self, path: str) -> str:
-        """As OnlineTrainer.save: writes the head in use (public EAGLE-3 layout) to `path`."""
-        with self._lock:
-            src = self.head_path
-            os.makedirs(path, exist_ok=True)
-            for name in ("config.json", "model.safetensors"):
-                shutil.copy(os.path.join(src, name), os.path.join(path, name))
-        return path
+        """As OnlineTrainer.save: writes the head in use to `path` (copy_head)."""
+        with self._lock:  # (a swap removes the head it replaces under the lock)
+            return copy_head(self.head_path, path)
 
     def close(self) -> None:
         """Stops the training process (it ends its step first) and removes the heads written here."""
