@@ -192,6 +192,12 @@ def rss_bytes() -> int:
         return 0
 
 
+# Programs that calls asked for may take up to this many times the programs' budget: a call served
+# through a program for more slots than it runs costs up to twice its own (a batch of 4 through the
+# start-up program for 8 slots), while the background's other shapes only may be needed.
+WANTED_MEMORY = 2
+
+
 @dataclasses.dataclass
 class ProgramMemory:
     """What compiled programs take: measured over the start-up compiles (resident memory before and
@@ -210,9 +216,12 @@ class ProgramMemory:
     def bytes(self) -> int:
         return self.count * self.per_program
 
-    def room(self) -> bool:
-        """Whether one more program fits the budget."""
-        return self.per_program == 0 or (self.count + 1) * self.per_program <= self.budget_bytes
+    def room(self, wanted: bool = False) -> bool:
+        """Whether one more program fits the budget; wanted: a program calls asked for (the exact
+        size of calls a larger program served), which may take the process up to WANTED_MEMORY
+        times the budget."""
+        cap = self.budget_bytes * (WANTED_MEMORY if wanted else 1)
+        return self.per_program == 0 or (self.count + 1) * self.per_program <= cap
 
 
 def program_budget() -> int:

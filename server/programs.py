@@ -34,13 +34,16 @@ serialized them, without tracing, from server/program_store.py, else from JAX's 
 each call takes the cheapest program compiled so far that covers it (adaptive speculation runs
 another candidate only once a program of that candidate covers the call). A call served through a
 larger program asks for its own (`want`; the scheduler asks for the configured shape's and plain
-steps'), which the background thread compiles before the rest of its list.
-Only with --disable-cuda-graph (nothing compiled ahead) does a call compile on first use.
+steps'), which the background thread compiles before the rest of its list (on a CPU, where
+background compiles wait for a quiet moment, also under steady load once it has waited
+WANTED_WAIT). Only with --disable-cuda-graph (nothing compiled ahead) does a call compile on first use.
 
-What programs cost: on a CPU each holds tens of MB of host memory and hundreds of memory maps
-(measured over the start-up set, server/memory.py ProgramMemory). The background compiles stop
-at a budget for their memory (a tenth of host RAM, at most 2.5 GiB) or at MAP_BUDGET of the
-kernel's memory-map limit, whichever comes first; the start-up set is always compiled.
+What programs cost: on a CPU each holds tens to hundreds of MB of host memory and about a thousand
+memory maps (measured over the start-up set, server/memory.py ProgramMemory). The background list
+stops at a budget for their memory (a tenth of host RAM, at most 2.5 GiB) or at MAP_BUDGET of the
+kernel's memory-map limit, whichever comes first; the programs calls want go on up to twice that
+memory (server/memory.py WANTED_MEMORY) and WANTED_BUDGET of the maps; the start-up set is always
+compiled.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ from jaxspec.native import host_call
 from jaxspec.requests import bucket
 from jaxspec.sampling import SamplingTensors, skips_unused
 from jaxspec.server.exercise import exercise, worth_exercising
-from jaxspec.server.memory import ProgramMemory, map_usage, program_budget, trim_heap
+from jaxspec.server.memory import WANTED_MEMORY, ProgramMemory, map_usage, program_budget, trim_heap
 from jaxspec.server.program_store import ProgramStore, compile_again, compile_fresh, store_path
 from jaxspec.serving import admit_chunk, admit_finish, copy_prefix, dispatch
 from jaxspec.speculative.adaptive import OFF
@@ -80,6 +83,11 @@ MAP_BUDGET = 0.7
 # span of a call that a larger program served; through the larger one, plain steps cost 5x as much
 # on a 2-core CPU) are compiled first, and past MAP_BUDGET up to this share.
 WANTED_BUDGET = 0.8
+# On a CPU background compiles wait for a quiet moment (a compile takes a core from the requests),
+# except a program calls asked for that has waited this long: under steady load no quiet moment
+# comes, and the calls it would serve run through a larger program meanwhile, at up to twice
+# their cost (a batch of 4 through the program for 8 slots).
+WANTED_WAIT = 5.0
 
 
 def chunk_cost(key: tuple) -> float:
@@ -155,6 +163,7 @@ class Programs:
         self.fresh: collections.deque = collections.deque()
         self.wanted: collections.deque = collections.deque()  # keys calls asked for (`want`), compiled first
         self._asked: set[tuple] = set()
+        self.wanted_at: dict[tuple, float] = {}  # when each wanted key was asked for
         self.memory = ProgramMemory(program_budget())  # what compiled programs take, and may
 
     # ---- shapes --------------------------------------------------------------------------------
@@ -380,49 +389,67 @@ class Programs:
         if key not in self._table():
             with self.lock:
                 self.background_total += 1
+            self.wanted_at[key] = time.perf_counter()
             self.wanted.append(key)
 
     def start_background(self) -> None:
         """Compiles the keys calls `want`, then background_keys(), in a low-priority thread (stopped
-        by stop()); once the list is done or past MAP_BUDGET, it keeps compiling wanted keys while
-        the process is under WANTED_BUDGET. Nothing starts when the programs compiled so far fill
-        their memory budget already (logged)."""
+        by stop()). The list stops at the programs' memory budget or at MAP_BUDGET; the thread
+        then keeps compiling wanted keys while the programs stay within WANTED_MEMORY times their
+        budget (server/memory.py) and the process under WANTED_BUDGET of the memory-map limit.
+        Nothing starts when the programs compiled so far leave no room even for wanted keys
+        (logged)."""
         keys = collections.deque(self.background_keys())
-        if keys and not self.memory.room():
+        if not self.memory.room(wanted=True):
             self._over_budget(len(keys))
             return
         self.background_total = listed = len(keys)
         t = time.perf_counter()
 
+        def drop_list(why: str, *what) -> None:
+            """Stops the list (the wanted keys go on), with a warning saying why."""
+            nonlocal listed
+            logger.warning(
+                "background compiles stopped after %d programs, %d left: " + why + "; the shapes left are served by "
+                "larger programs, and the exact programs calls ask for are still compiled",
+                self.background_done,
+                len(keys),
+                *what,
+            )
+            with self.lock:
+                self.background_total -= len(keys)
+            keys.clear()
+            listed = 0
+
         def next_key():
             """The next key to compile (None: stop), after waiting for a quiet moment on a CPU."""
             while not self._stop:
-                if (keys or self.wanted) and not self.memory.room():
-                    self._over_budget(len(keys) + len(self.wanted))
+                m = self.memory
+                if keys and not m.room():
+                    drop_list(
+                        "%d compiled programs take about %.2f GiB of their %.2f GiB budget (a tenth of host RAM, at "
+                        "most 2.5 GiB)",
+                        m.count,
+                        m.bytes / 2**30,
+                        m.budget_bytes / 2**30,
+                    )
+                if self.wanted and not m.room(wanted=True):
+                    self._over_budget(len(self.wanted))
                     return None
                 usage = map_usage()
                 share = usage[0] / usage[1] if usage is not None else 0.0
                 if keys and share > MAP_BUDGET:
-                    logger.warning(
-                        "background compiles stopped after %d programs, %d left: the process holds %d memory maps of "
-                        "the kernel's %d (vm.max_map_count); the shapes left are served by larger programs",
-                        self.background_done,
-                        len(keys),
-                        *usage,
-                    )
-                    with self.lock:
-                        self.background_total -= len(keys)
-                    keys.clear()
-                    nonlocal listed
-                    listed = 0
+                    drop_list("the process holds %d memory maps of the kernel's %d (vm.max_map_count)", *usage)
                 if share > WANTED_BUDGET:
                     with self.lock:
                         self.background_total = self.background_done
                     self._stop = True  # for good: `want` asks no more
                     return None
                 if self.wanted or keys or self.unstored:
-                    # on a CPU, compiling takes the cores a request would use: wait for a quiet moment
-                    if not self.idle_only or self.sched.idle_for(0.5):
+                    # on a CPU, compiling takes the cores a request would use: wait for a quiet
+                    # moment, or WANTED_WAIT for a wanted key
+                    waited = self.wanted and time.perf_counter() - self.wanted_at[self.wanted[0]] >= WANTED_WAIT
+                    if not self.idle_only or waited or self.sched.idle_for(0.5):
                         if self.wanted or keys:
                             return self.wanted.popleft() if self.wanted else keys.popleft()
                         return ("store", self.unstored.popleft())
@@ -459,19 +486,22 @@ class Programs:
         self._thread.start()
 
     def _over_budget(self, left: int) -> None:
-        """Stops background compiling for good: the compiled programs fill their memory budget."""
+        """Stops background compiling for good: the compiled programs fill even the room wanted
+        programs have (WANTED_MEMORY times their budget)."""
         m = self.memory
         logger.warning(
-            "background compiles stopped after %d programs, %d left: %d compiled programs take about %.2f GiB of "
-            "their %.2f GiB budget (a tenth of host RAM, at most 2.5 GiB); the shapes left are served by larger programs",
+            "background compiles stopped for good after %d programs, %d left: %d compiled programs take about %.2f "
+            "GiB, and programs calls ask for may take %.2f GiB (twice their budget of a tenth of host RAM, at most "
+            "2.5 GiB); the shapes left are served by larger programs",
             self.background_done,
             left,
             m.count,
             m.bytes / 2**30,
-            m.budget_bytes / 2**30,
+            WANTED_MEMORY * m.budget_bytes / 2**30,
         )
         with self.lock:
             self.background_total = self.background_done
+        self.wanted.clear()
         self._stop = True
 
     def store_again(self, key: tuple) -> None:

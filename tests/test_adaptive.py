@@ -478,20 +478,39 @@ def test_background_compiles_stop_within_the_memory_map_budget(models, monkeypat
 
 def test_background_compiles_stop_within_the_program_memory_budget(models, monkeypatch, caplog):  # noqa: F811
     """Compiled programs take tens of MB of host memory each (measured at start-up): the background
-    compile stops, with a warning, once one more program would pass their budget."""
+    list stops, with a warning, once one more program would pass their budget; the programs calls
+    ask for (`want`) are still compiled, up to WANTED_MEMORY times the budget, and then nothing
+    more, for good (a second warning)."""
+    from jaxspec.server.memory import WANTED_MEMORY
     from jaxspec.server.scheduler import Scheduler
 
     sched = Scheduler(engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True), max_running_requests=2)
     progs = sched.programs
     progs.lazy = False
+    assert WANTED_MEMORY == 2
     progs.memory.budget_bytes, progs.memory.per_program, progs.memory.startup = 350 << 20, 100 << 20, 1
-    monkeypatch.setattr(progs, "compile", lambda key: None)
+    done: list[tuple] = []
+    monkeypatch.setattr(progs, "compile", done.append)
     monkeypatch.setattr(progs, "idle_only", False)
     with caplog.at_level("WARNING", logger="jaxspec.server"):
         progs.start_background()
+        for _ in range(300):
+            if "stopped after 2 programs" in caplog.text:
+                break
+            time.sleep(0.01)
+        assert progs._thread.is_alive() and len(done) == 2  # the list stopped: 3 programs of 100 MB in 350
+        assert "about 0.29 GiB of their 0.34 GiB budget" in caplog.text
+        wanted = [("dispatch", 2, 64 * (i + 1), True, OFF, False, False) for i in range(6)]
+        for key in wanted:
+            progs.want(key)
         progs._thread.join(30)
-    assert progs.background_done == progs.background_total == 2 and progs.memory.count == 3
-    assert "background compiles stopped after 2 programs" in caplog.text and "about 0.29 GiB" in caplog.text
+    assert not progs._thread.is_alive()
+    # 700 MB hold 7 programs: 4 of the wanted ones; the others are left to larger programs
+    assert done[2:] == wanted[:4] and progs.memory.count == 7
+    assert progs.background_done == progs.background_total == 6
+    assert "stopped for good after 6 programs, 2 left" in caplog.text
+    progs.want(("dispatch", 1, 64, True, OFF, False, False))  # stopped for good: nothing more is asked
+    assert progs.background_total == 6 and not progs.wanted
 
 
 def test_program_spans_and_the_constrained_cover(models):  # noqa: F811
