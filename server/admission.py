@@ -94,10 +94,17 @@ class Admission(SchedulerState):
 
     def _new_group(self, reqs: list[Request]) -> PrefillGroup:
         length, start = max(len(r.ids) for r in reqs), min(r._reuse for r in reqs)
-        plan = self.programs.prefill_plan(len(reqs), length, start=start)
+        progs = self.programs
+        plan = progs.prefill_plan(len(reqs), length, start=start)
+        ideal = progs.prefill_plan(len(reqs), length, exact=True, start=start)
+        assert ideal is not None
         if plan is None:  # nothing compiled covers it: the ideal shapes, compiled at first use
-            plan = self.programs.prefill_plan(len(reqs), length, exact=True, start=start)
-        assert plan is not None
+            plan = ideal
+        elif plan[2] != ideal[2]:
+            # served by larger chunks, or from an earlier position (a cached prompt's tail
+            # recomputed through a 256-token chunk): its own programs, compiled in the background
+            for key in ideal[2]:
+                progs.want(key)
         chunk, first, keys = plan
         prompt = np.zeros((len(reqs), first + len(keys) * chunk), np.int32)
         for i, r in enumerate(reqs):

@@ -34,7 +34,8 @@ serialized them, without tracing, from server/program_store.py, else from JAX's 
 each call takes the cheapest program compiled so far that covers it (adaptive speculation runs
 another candidate only once a program of that candidate covers the call). A call served through a
 larger program asks for its own (`want`; the scheduler asks for the configured shape's and plain
-steps'), which the background thread compiles before the rest of its list (on a CPU, where
+steps', and a prefill served by larger chunks or from an earlier position for the ideal chunks),
+which the background thread compiles before the rest of its list (on a CPU, where
 background compiles wait for a quiet moment, also under steady load once it has waited
 WANTED_WAIT). Only with --disable-cuda-graph (nothing compiled ahead) does a call compile on first use.
 

@@ -472,3 +472,25 @@ def test_cached_tail_prefilled_by_a_small_chunk_from_earlier(models, monkeypatch
     assert keys == [small] and c == sizes[0] and first == spans[0] - sizes[0] < length - 1
     # a prompt past the short span: the large chunk is all there is
     assert progs.prefill_plan(1, spans[0] + 10, start=spans[0] + 9)[2] == [large]
+
+
+def test_a_prefill_through_other_chunks_asks_for_its_own(models, monkeypatch):
+    """A cached prompt's tail that no compiled chunk serves from its cached position (it is
+    recomputed from an earlier one through the large chunk) asks the background for its own small
+    chunk at its span; a prompt the compiled chunks serve exactly asks for nothing."""
+    sched = Scheduler(engine(models, chunked_prefill_size=256), max_running_requests=2)
+    progs = sched.programs
+    spans, sizes = progs.spans(), progs.chunk_sizes()
+    small, large = ("chunk", 1, sizes[0], spans[0]), ("chunk", 1, sizes[-1], spans[-1])
+    monkeypatch.setattr(progs, "_have", lambda: [small, large])
+    monkeypatch.setattr(progs, "lazy", False)
+    asked: list[tuple] = []
+    monkeypatch.setattr(progs, "want", asked.append)
+    request = lambda n: Request(ids=list(range(1, n + 1)), params=SamplingParams(**GREEDY), emit=lambda e: None)
+    tail = request(spans[0] + 10)
+    tail._reuse = spans[0] + 9
+    group = sched._new_group([tail])
+    assert group.keys == [large] and group.start < tail._reuse
+    assert asked == [("chunk", 1, sizes[0], sched._span(tail._reuse + sizes[0]))] != [small]
+    asked.clear()
+    assert sched._new_group([request(spans[0] - 1)]).keys == [small] and asked == []
