@@ -194,7 +194,8 @@ def rss_bytes() -> int:
 
 # Programs that calls asked for may take up to this many times the programs' budget: a call served
 # through a program for more slots than it runs costs up to twice its own (a batch of 4 through the
-# start-up program for 8 slots), while the background's other shapes only may be needed.
+# start-up program for 8 slots), while the background list's other shapes are guesses at what calls
+# may need. 1 keeps them within the budget (less memory, slower batches).
 WANTED_MEMORY = 2
 
 

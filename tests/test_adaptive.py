@@ -513,6 +513,37 @@ def test_background_compiles_stop_within_the_program_memory_budget(models, monke
     assert progs.background_total == 6 and not progs.wanted
 
 
+def test_a_wanted_program_compiles_under_steady_load(models, monkeypatch):  # noqa: F811
+    """On a CPU the background compiles wait for a quiet moment, which steady load never gives: a
+    program a call wants is compiled once it has waited WANTED_WAIT; the list's keys still wait."""
+    import jaxspec.server.programs as programs_module
+    from jaxspec.server.scheduler import Scheduler
+
+    sched = Scheduler(engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=True), max_running_requests=2)
+    progs = sched.programs
+    progs.lazy = False
+    monkeypatch.setattr(programs_module, "WANTED_WAIT", 0.2)
+    done: list[tuple] = []
+    monkeypatch.setattr(progs, "compile", done.append)
+    monkeypatch.setattr(sched, "idle_for", lambda seconds: False)  # requests all the time
+    monkeypatch.setattr(progs, "idle_only", True)
+    key = ("dispatch", 2, 128, True, OFF, False, False)
+    progs.start_background()
+    try:
+        t = time.perf_counter()
+        progs.want(key)
+        for _ in range(300):
+            if done:
+                break
+            time.sleep(0.01)
+        assert done == [key] and time.perf_counter() - t >= 0.2
+        time.sleep(0.3)
+        assert done == [key]  # the list waits for a quiet moment
+    finally:
+        progs.stop()
+        progs._thread.join(5)
+
+
 def test_program_spans_and_the_constrained_cover(models):  # noqa: F811
     """Spans are powers of two up to max_len, which replaces the power of two just below it (a
     context of 2^k reads 2^k + scratch columns: one set of programs for both); every call's span
