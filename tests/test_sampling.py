@@ -76,6 +76,27 @@ def test_filters_match_numpy(v):
         np.testing.assert_allclose(got[i], want, atol=1e-6)
 
 
+def test_threshold_search_loops_on_cpu_from_two_rows(monkeypatch):
+    """Where the sampler skips unused work (XLA:CPU), the halvings of a search over two or more rows
+    run as a loop (a fraction of a program's size) and find the same thresholds as straight-line
+    code; one row, and programs built as for a GPU, stay straight-line."""
+    from jaxspec import sampling
+
+    cases = CASES + [dict(temperature=2.0, top_k=4000, top_p=0.9, min_p=0.001)]
+    z = jnp.asarray(np.random.default_rng(1).normal(size=(len(cases), 4096)).astype(np.float32) * 3)
+    st = _tensors(cases)
+    loops = lambda zz, ss: "stablehlo.while" in jax.jit(sampling.kept_threshold).lower(zz, ss).as_text()
+    monkeypatch.setattr(sampling, "SKIP_UNUSED", True)
+    jax.clear_caches()
+    looped = np.asarray(jax.jit(sampling.kept_threshold)(z, st))
+    assert loops(z, st) and not loops(z[:1], jax.tree.map(lambda a: a[:1], st))
+    monkeypatch.setattr(sampling, "SKIP_UNUSED", False)
+    jax.clear_caches()
+    assert not loops(z, st)
+    np.testing.assert_array_equal(np.asarray(jax.jit(sampling.kept_threshold)(z, st)), looped)
+    jax.clear_caches()
+
+
 def test_ties_at_a_cut_off_are_kept_together():
     """top-k 2 over [3, 3, 3, 1, 0] keeps the three 3s; top-p 0.5 over two equal halves keeps both."""
     st = _tensors([dict(top_k=2), dict(top_p=0.5)])

@@ -159,7 +159,11 @@ def sample_verify(
     coin_key, bonus_key = jax.vmap(lambda k: tuple(jax.random.split(k)))(key)
     shape = (n,) if tree.spine is None else (n, 2)
     coins = jax.vmap(lambda k: jax.random.uniform(k, shape))(coin_key)
-    probs_at = lambda cur: target_probs(jnp.take_along_axis(logits, cur[:, None, None], 1)[:, 0], st, filtered)
+    # the target distribution at every node at once [B, N, V]: one sampler in the program instead of
+    # one per step of the walk (as much work for a chain, whose walk visits every node)
+    per_node = jax.tree.map(lambda a: jnp.repeat(a, n, axis=0), st)
+    probs = target_probs(logits.reshape(b * n, -1), per_node, filtered).reshape(b, n, -1)
+    probs_at = lambda cur: jnp.take_along_axis(probs, cur[:, None, None], 1)[:, 0]
     num, path, resid = sample_accept(tree, probs_at, coins, num_steps, thr_single, thr_acc)
     return Accepted(num, path, draw(resid, uniforms(bonus_key)))
 
