@@ -449,10 +449,16 @@ class Programs:
                 if self.wanted or keys or self.unstored:
                     # on a CPU, compiling takes the cores a request would use: wait for a quiet
                     # moment, or WANTED_WAIT for a wanted key
-                    waited = self.wanted and time.perf_counter() - self.wanted_at[self.wanted[0]] >= WANTED_WAIT
+                    waited = (
+                        self.wanted and time.perf_counter() - self.wanted_at.get(self.wanted[0], 0.0) >= WANTED_WAIT
+                    )
                     if not self.idle_only or waited or self.sched.idle_for(0.5):
-                        if self.wanted or keys:
-                            return self.wanted.popleft() if self.wanted else keys.popleft()
+                        if self.wanted:
+                            key = self.wanted.popleft()
+                            self.wanted_at.pop(key, None)
+                            return key
+                        if keys:
+                            return keys.popleft()
                         return ("store", self.unstored.popleft())
                 time.sleep(0.1)
             return None
@@ -492,17 +498,19 @@ class Programs:
         m = self.memory
         logger.warning(
             "background compiles stopped for good after %d programs, %d left: %d compiled programs take about %.2f "
-            "GiB, and programs calls ask for may take %.2f GiB (twice their budget of a tenth of host RAM, at most "
+            "GiB, and programs calls ask for may take %.2f GiB (%d times their budget of a tenth of host RAM, at most "
             "2.5 GiB); the shapes left are served by larger programs",
             self.background_done,
             left,
             m.count,
             m.bytes / 2**30,
             WANTED_MEMORY * m.budget_bytes / 2**30,
+            WANTED_MEMORY,
         )
         with self.lock:
             self.background_total = self.background_done
         self.wanted.clear()
+        self.wanted_at.clear()
         self._stop = True
 
     def store_again(self, key: tuple) -> None:
