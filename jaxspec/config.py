@@ -223,6 +223,9 @@ class SpecConfig:
     # --speculative-attention-mode: the attention path of verification and the draft's extend
     # (jaxspec/attention.py: "prefill" one pass, "decode" the prefix split from the local region)
     attention_mode: str = "prefill"
+    # a shipped draft's top-k for rounds that sample, where that was measured faster than eagle_topk
+    # (for_kind); None: eagle_topk for every round
+    sampled_topk: int | None = None
 
     @property
     def enabled(self) -> bool:
@@ -239,6 +242,19 @@ class SpecConfig:
         bonus token and the next round's root."""
         return 0 if not self.enabled else self.num_draft_tokens + self.num_steps * self.eagle_topk + 2
 
+    def for_kind(self, sampled: bool) -> SpecConfig:
+        """The tree shape rounds of this kind run: with `sampled` (some row draws) and drafts drawn
+        from the draft distribution, sampled_topk children per node where it is set. A sibling of
+        the drawn child is tried only after that child's rejection, against the residual
+        distribution max(p - q, 0), where the draft's next most likely token rarely wins; so a
+        chain can pay there where greedy rounds gain from the tree. Same num_steps (the state's
+        histogram and the draft's depth), never more nodes (the KV scratch is the configured shape's)."""
+        k = self.sampled_topk
+        if not sampled or k is None or k == self.eagle_topk or not self.draft_sampling:
+            return self
+        n = min(self.num_draft_tokens, tree_capacity(self.num_steps, k))
+        return dataclasses.replace(self, eagle_topk=k, num_draft_tokens=n, sampled_topk=None)
+
     @classmethod
     def resolve(
         cls,
@@ -247,7 +263,8 @@ class SpecConfig:
         bundled: tuple[str, str, tuple | None] | None = None,
         warn: bool = True,
     ) -> SpecConfig:
-        """The flags applied to a target. bundled: (algorithm, draft path, tree shape or None) the
+        """The flags applied to a target. bundled: (algorithm, draft path, tree shape or None: a
+        jaxspec.drafts.ShippedTree or (num_steps, eagle_topk, num_draft_tokens)) the
         target supplies (a draft shipped for it in jaxspec.drafts, or its own MTP module). It is used
         when the algorithm is unset (None), or is that algorithm without a draft path; "NONE" turns it
         off. Its tree shape, if any, replaces the auto defaults."""
@@ -282,7 +299,7 @@ class SpecConfig:
                 ngram=NgramConfig.from_args(a),
                 attention_mode=a.speculative_attention_mode,
             )
-        draft_model_path, shipped_tree = a.speculative_draft_model_path, None
+        draft_model_path, shipped_tree, sampled_topk = a.speculative_draft_model_path, None, None
         if draft_model_path is None and bundled and bundled[0] == algo:
             draft_model_path, shipped_tree = bundled[1], bundled[2]
         if draft_model_path is None:
@@ -290,7 +307,9 @@ class SpecConfig:
             raise JaxspecError(f"speculative_algorithm={algo} needs speculative_draft_model_path{hint}")
         if num_steps is None or eagle_topk is None or num_draft_tokens is None:  # validate(): all three or none
             if shipped_tree is not None:
-                num_steps, eagle_topk, num_draft_tokens = shipped_tree
+                num_steps, eagle_topk, num_draft_tokens = shipped_tree[:3]
+                if len(shipped_tree) > 3 and shipped_tree[3] is not None and shipped_tree[3] < eagle_topk:
+                    sampled_topk = int(shipped_tree[3])
             else:
                 llama = target is not None and target.model_type in LLAMA_FAMILY and algo != "STANDALONE"
                 tree = llama and not a.enable_multi_layer_eagle  # multi-layer MTP drafts a chain
@@ -330,4 +349,5 @@ class SpecConfig:
             adaptive=adaptive,
             multi_layer=bool(a.enable_multi_layer_eagle),
             attention_mode=a.speculative_attention_mode,
+            sampled_topk=sampled_topk,
         )

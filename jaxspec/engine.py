@@ -84,7 +84,8 @@ def clear_cache() -> None:
     jax.clear_caches(): frees their memory mappings); they compile again when next needed."""
     for eng in list(_LIVE):
         eng._block_programs.clear()
-        eng.adaptive.ready.clear()
+        for adaptive in eng._adaptive.values():
+            adaptive.ready.clear()
 
 
 class Engine:
@@ -184,6 +185,13 @@ class Engine:
                 proposer, attention_backend=draft_backend, attention_mode=self.spec.attention_mode
             )
         self.adaptive = Adaptive(self.spec) if self.spec.adaptive else None
+        # rounds that sample may run another shape (SpecConfig.for_kind), chosen among its own candidates
+        sampled_spec = self.spec.for_kind(True)
+        self._adaptive: dict[bool, Adaptive] = {}
+        if self.adaptive is not None:
+            self._adaptive = {False: self.adaptive, True: self.adaptive}
+            if sampled_spec is not self.spec:
+                self._adaptive[True] = Adaptive(sampled_spec)
         # (shape label, rounds, program signature) -> block programs adaptive speculation compiled ahead
         self._block_programs: dict[tuple, Any] = {}
         if self.adaptive is not None:
@@ -506,11 +514,13 @@ class Engine:
     def _spec_batch(
         self, cache, last_h, prompt, prompt_d, lens_d, st, max_new_d, stop_arr, buf, chunk, n_chunks, sampled, n, top
     ):
-        """Prefill, then rounds (in blocks chosen by adaptive speculation when it is on). top: None,
-        or the top-logprob count to record. Returns ((out, num_out, finish, verify_ct, hist, lps) on
-        the host, rounds per candidate [n, len(candidates)] or None, the target features the draft
-        cache kept [b, S, F] or None)."""
+        """Prefill, then rounds (in blocks chosen by adaptive speculation when it is on) of the tree
+        shape of `sampled`'s kind (SpecConfig.for_kind). top: None, or the top-logprob count to
+        record. Returns ((out, num_out, finish, verify_ct, hist, lps) on the host, per request the
+        rounds run with each adaptive candidate ({shape label: rounds}) or None, the target features
+        the draft cache kept [b, S, F] or None)."""
         models, b = self.models, prompt.shape[0]
+        spec = self.spec.for_kind(bool(sampled))
         prop = models.draft
         dcache = replicate(prop.make_cache(b, cache.max_len, self.dtype), self.mesh)
         dprompt = jnp.asarray(draft_prompt(prompt, prop.shift))
@@ -524,7 +534,7 @@ class Engine:
         stop_d = jnp.asarray(stop_arr)
         state = spec_start(
             models,
-            self.spec,
+            spec,
             cache,
             dcache,
             last_h,
@@ -536,23 +546,23 @@ class Engine:
             sampled=sampled,
             top_logprobs=top,
         )
+        used = None
         if self.adaptive is None:
-            state = spec_block(models, self.spec, state, st, max_new_d, stop_d, rounds=0, sampled=sampled)
-            used = None
+            state = spec_block(models, spec, state, st, max_new_d, stop_d, rounds=0, sampled=sampled)
         else:
-            state, used = self._adaptive_blocks(models, state, st, max_new_d, stop_d, sampled, n)
+            adaptive = self._adaptive[bool(sampled)]
+            state, rounds = self._adaptive_blocks(adaptive, models, state, st, max_new_d, stop_d, sampled, n)
+            used = [{shape_label(c): int(k) for c, k in zip(adaptive.candidates, r)} for r in rounds]
         res = jax.device_get((state.out, state.num_out, state.finish, state.verify_ct, state.hist, state.lps))
         # the target features the draft cache kept, [b, S, F] (online draft training)
         feats = None if self.online is None else unpack_features(state.draft.cache.k[prop.feature_layer][:, :, 0])
         return res, used, feats
 
-    def _adaptive_blocks(self, models: Models, state, st, max_new_d, stop_d, sampled, n):
-        """Rounds in blocks chosen by adaptive speculation (speculative/adaptive.py) until every
-        request is done. Every block runs a program compiled ahead with `lower().compile()` and kept
-        in self._block_programs: the configured shape's when first needed, the other candidates' in
+    def _adaptive_blocks(self, adaptive: Adaptive, models: Models, state, st, max_new_d, stop_d, sampled, n):
+        """Rounds in blocks chosen by `adaptive` (speculative/adaptive.py) until every request is
+        done. Every block runs a program compiled ahead with `lower().compile()` and kept in
+        self._block_programs: the configured shape's when first needed, the other candidates' in
         the background (Adaptive.run). Returns (state, rounds per candidate [n, len(candidates)])."""
-        assert self.adaptive is not None
-        adaptive = self.adaptive
         dyn = (state, st, max_new_d, stop_d)  # what the programs depend on besides shape and rounds
         sig = (sampled, jax.tree.structure(dyn), *((x.shape, x.dtype) for x in jax.tree.leaves(dyn)))
         # the state is donated to each block: programs compile against its shapes
@@ -598,8 +608,8 @@ class Engine:
             if cut is not None:  # multi-token stop strings are applied after generation
                 text, out_ids, reason = cut
         extra = {}
-        if used is not None and self.adaptive is not None:  # rounds run with each candidate shape
-            extra["spec_shapes"] = {shape_label(c): int(k) for c, k in zip(self.adaptive.candidates, used)}
+        if used is not None:  # rounds run with each candidate shape
+            extra["spec_shapes"] = used
         if lp is not None:
             extra.update(prompt_lps or {})
             extra.update(output_logprobs(out_ids, lps))  # a stop-string cut leaves fewer out_ids

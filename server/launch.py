@@ -111,10 +111,10 @@ def cmd_serve(args) -> int:
         finally:
             sched.programs.stop()
             sched.nodes.stop()
-    spec = sched.eng.spec
+    spec = sched.spec
     desc = (
         "plain decoding"
-        if not spec.enabled
+        if spec is None
         else f"{spec.algorithm} {spec.num_steps}/{spec.eagle_topk}/{spec.num_draft_tokens}"
         + (" (adaptive: that tree, a shallower one or plain steps, per dispatch)" if spec.adaptive else " (static)")
     )

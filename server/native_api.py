@@ -97,7 +97,8 @@ async def health(request: Request):
 @router.get("/server_info", include_in_schema=False)
 async def server_info(request: Request):
     ctx = context(request)
-    sched, spec = ctx.sched, ctx.eng.spec
+    sched = ctx.sched
+    spec = sched.spec or ctx.eng.spec  # the shape the server runs (SpecConfig.for_kind)
     acc = sched.avg_spec_accept_length
     internal = {
         "avg_spec_accept_length": acc,

@@ -24,6 +24,7 @@ from jaxspec.config import SpecConfig
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.logprobs import top_k_for
+from jaxspec.sampling import skips_unused
 from jaxspec.server.memory import MemoryPlan, map_usage, plan_slots, release_columns, release_pages, rss_bytes
 from jaxspec.server.nodes import Nodes
 from jaxspec.server.prefix_cache import PrefixCache
@@ -58,7 +59,9 @@ class SchedulerState:
             nodes.sched = self
         # the shortest prefix worth a copy (or a wait for a prompt being prefilled): one small chunk
         self.cache = PrefixCache(prefix_cache, min_reuse=min(64, eng.chunked_prefill_size))
-        self.spec = eng.spec if eng.spec.enabled else None
+        # one tree shape for every dispatch: on CPU the server's programs sample (they serve greedy
+        # calls too, at no extra cost), so they run the shape of rounds that sample (SpecConfig.for_kind)
+        self.spec = eng.spec.for_kind(skips_unused()) if eng.spec.enabled else None
         self.prop = eng.proposer if self.spec else None
         # adaptive speculation: per dispatch, the tree shape or plain steps (its own cost table:
         # a dispatch's rounds are not the offline engine's programs)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -70,12 +72,14 @@ def test_matching_rule(tmp_path, monkeypatch):
     assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", SMOL, "STANDALONE") is None
     # tree shapes are per platform; a platform without one keeps the auto defaults
     tree = {
-        "cpu": {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4},
+        "cpu": {"num_steps": 3, "eagle_topk": 2, "num_draft_tokens": 5, "sampled_eagle_topk": 1},
         "gpu": {"num_steps": 5, "eagle_topk": 4, "num_draft_tokens": 8},
     }
     (d / "target.json").write_text(json.dumps({**meta, "tree": tree}))
-    assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", SMOL, platform="cpu") == ("EAGLE3", str(d), (3, 1, 4))
-    assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", SMOL, platform="gpu") == ("EAGLE3", str(d), (5, 4, 8))
+    cpu = drafts.ShippedTree(3, 2, 5, sampled_eagle_topk=1)
+    assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", SMOL, platform="cpu") == ("EAGLE3", str(d), cpu)
+    gpu = drafts.ShippedTree(5, 4, 8)
+    assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", SMOL, platform="gpu") == ("EAGLE3", str(d), gpu)
     (d / "target.json").write_text(json.dumps({**meta, "tree": {"gpu": tree["gpu"]}}))
     assert drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", SMOL, platform="cpu") == ("EAGLE3", str(d), None)
 
@@ -103,6 +107,27 @@ def test_resolution_with_a_shipped_draft():
     assert (s.num_steps, s.eagle_topk, s.num_draft_tokens) == (5, 4, 8)
 
 
+def test_a_shipped_shape_for_rounds_that_sample():
+    """A shipped tree may name another top-k for rounds that sample: the greedy shape keeps the
+    tree, sampling rounds with drawn drafts run the chain, and a shape the user set is run as set."""
+    shipped = ("EAGLE3", "/drafts/smol", drafts.ShippedTree(2, 2, 4, sampled_eagle_topk=1))
+    s = resolve_spec(None, SMOL, bundled=shipped)
+    shape = lambda x: (x.num_steps, x.eagle_topk, x.num_draft_tokens)
+    assert shape(s) == (2, 2, 4) and s.sampled_topk == 1
+    assert s.for_kind(False) is s
+    chain = s.for_kind(True)
+    assert shape(chain) == (2, 1, 3) and chain.sampled_topk is None and chain.for_kind(True) is chain
+    assert chain.scratch_tokens < s.scratch_tokens  # the KV scratch sized for the configured shape holds it
+    assert dataclasses.replace(s, draft_sampling=False).for_kind(True).eagle_topk == 2  # target-only: siblings pay
+    set_by_user = resolve_spec(None, SMOL, bundled=shipped, num_steps=2, eagle_topk=2, num_draft_tokens=4)
+    assert set_by_user.sampled_topk is None and set_by_user.for_kind(True) is set_by_user
+    wider = drafts.ShippedTree(4, 2, 6, sampled_eagle_topk=1)  # the chain's N follows its depth
+    assert shape(resolve_spec(None, SMOL, bundled=("EAGLE3", "/d", wider)).for_kind(True)) == (4, 1, 5)
+    # the shipped head's own file: the CPU shape is a tree for greedy rounds and a chain for sampling ones
+    found = drafts.bundled_draft_for("/x/SmolLM2-135M-Instruct", SMOL, platform="cpu")
+    assert found is not None and found[2] == drafts.ShippedTree(2, 2, 4, sampled_eagle_topk=1)
+
+
 @pytest.mark.slow
 def test_default_engine_speculates_with_the_shipped_draft_losslessly(default_engine):
     import jaxspec
@@ -119,6 +144,17 @@ def test_default_engine_speculates_with_the_shipped_draft_losslessly(default_eng
     assert [r["output_ids"] for r in got] == [r["output_ids"] for r in default_engine.chat(msgs, sp)]
     # a trained head accepts well beyond the single bonus token an untrained one gives
     assert np.mean([r["meta_info"]["spec_accept_length"] for r in got]) > 2.0
+    if jax.default_backend() == "cpu":
+        # greedy rounds run the shipped CPU tree (or adaptive speculation's other candidates),
+        # sampling rounds the chain of the same depth (SpecConfig.for_kind)
+        assert set(got[0]["meta_info"]["spec_shapes"]) == {"2/2/4", "1/2/3", "off"}
+        hot = eng.chat(msgs[:1], {"temperature": 1, "max_new_tokens": 48, "seed": 1})[0]["meta_info"]
+        assert set(hot["spec_shapes"]) == {"2/1/3", "1/1/2", "off"} and hot["spec_verify_ct"] > 0
+        # the server's CPU programs sample (they serve greedy calls too): one shape, the chain
+        from jaxspec.server.scheduler import Scheduler
+
+        sched = Scheduler(eng, max_running_requests=1)
+        assert sched.main_shape == "2/1/3" and list(sched.shapes) == ["2/1/3", "1/1/2", "off"]
     # "EAGLE" without a draft path: the shipped EAGLE-2 head, lossless too
     e2 = jaxspec.Engine(show_progress=False, speculative_algorithm="EAGLE")
     assert e2.spec.draft_model_path.endswith("smollm2-135m-instruct-eagle2")

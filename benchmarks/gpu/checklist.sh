@@ -33,9 +33,10 @@ stage() {  # copy piece $1 into /root/w
 }
 
 mtbench() {  # $1 = attention backend. "EAGLE3" without a path is the shipped head with its GPU tree
-  # and adaptive speculation on (a head given by path gets SGLang's auto tree and no adaptation)
+  # and adaptive speculation on (a head given by path gets SGLang's auto tree and no adaptation);
+  # the chain 5/1/6 says whether rounds that sample should run a chain on the GPU too, as on the CPU
   JAXSPEC_MTBENCH_QUESTIONS=$W/question.jsonl timeout 540 python3 "$REPO/benchmarks/bench_mtbench.py" \
-    --model-path $MODEL --draft EAGLE3 --draft EAGLE3:static --questions 80 \
+    --model-path $MODEL --draft EAGLE3 --draft EAGLE3:static --draft EAGLE3:static@5/1/6 --questions 80 \
     --max-new-tokens 128 --temperatures 0 1 --attention-backend "$1" --out $W/mtb-$1
 }
 

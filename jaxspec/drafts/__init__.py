@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -25,18 +26,28 @@ def bundled_drafts() -> dict[str, dict]:
     return out
 
 
+class ShippedTree(NamedTuple):
+    """The tree shape measured best for a shipped draft on one platform (target.json "tree").
+    sampled_eagle_topk: the top-k of rounds that sample (drafts drawn from the draft distribution),
+    where that measured better than eagle_topk; None: eagle_topk there too."""
+
+    num_steps: int
+    eagle_topk: int
+    num_draft_tokens: int
+    sampled_eagle_topk: int | None = None
+
+
 def bundled_draft_for(
     target_path: str | None, target_cfg, algorithm: str | None = None, platform: str | None = None
-) -> tuple[str, str, tuple | None] | None:
+) -> tuple[str, str, ShippedTree | None] | None:
     """(algorithm, draft directory, tree shape) shipped for this target, or None.
 
     algorithm: None picks the target's default draft (target.json "default": true); "EAGLE3" or
     "EAGLE" picks the shipped head of that kind. platform: "cpu" or "gpu" (default: JAX's backend).
 
-    The tree shape (num_steps, eagle_topk, num_draft_tokens) is the one measured best for this draft
-    on this platform (target.json "tree": {"cpu": {...}, "gpu": {...}}); it replaces SGLang's
-    per-architecture auto defaults when the user sets none of the three knobs. None means the usual
-    auto defaults.
+    The tree shape (ShippedTree) is the one measured best for this draft on this platform
+    (target.json "tree": {"cpu": {...}, "gpu": {...}}); it replaces SGLang's per-architecture auto
+    defaults when the user sets none of the three knobs. None means the usual auto defaults.
 
     target_path: where the target was loaded from; target_cfg: its ModelConfig. A draft matches
     when the target's directory name carries the draft's target name and the shapes agree, so a
@@ -54,7 +65,11 @@ def bundled_draft_for(
         return (
             meta["algorithm"],
             path,
-            None if tree is None else (tree["num_steps"], tree["eagle_topk"], tree["num_draft_tokens"]),
+            None
+            if tree is None
+            else ShippedTree(
+                tree["num_steps"], tree["eagle_topk"], tree["num_draft_tokens"], tree.get("sampled_eagle_topk")
+            ),
         )
     return None
 
