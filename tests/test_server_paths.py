@@ -486,7 +486,11 @@ def flat_routes(routes):
 def test_every_route_but_health_needs_the_api_key(selfspec):
     app = selfspec.server.config.app
     routes = [
-        (m, r.path) for r in flat_routes(app.routes) if getattr(r, "methods", None) for m in r.methods if m in ("GET", "POST")
+        (m, r.path)
+        for r in flat_routes(app.routes)
+        if getattr(r, "methods", None)
+        for m in r.methods
+        if m in ("GET", "POST")
     ]
     posts = {p for m, p in routes if m == "POST"}
     assert {"/v1/chat/completions", "/v1/completions", "/generate"} <= posts
