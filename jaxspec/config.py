@@ -308,8 +308,8 @@ class SpecConfig:
         if num_steps is None or eagle_topk is None or num_draft_tokens is None:  # validate(): all three or none
             if shipped_tree is not None:
                 num_steps, eagle_topk, num_draft_tokens = shipped_tree[:3]
-                if len(shipped_tree) > 3 and shipped_tree[3] is not None and shipped_tree[3] < eagle_topk:
-                    sampled_topk = int(shipped_tree[3])
+                k = getattr(shipped_tree, "sampled_eagle_topk", None)
+                sampled_topk = k if k is not None and k < eagle_topk else None  # never more nodes
             else:
                 llama = target is not None and target.model_type in LLAMA_FAMILY and algo != "STANDALONE"
                 tree = llama and not a.enable_multi_layer_eagle  # multi-layer MTP drafts a chain

@@ -185,13 +185,14 @@ class Engine:
                 proposer, attention_backend=draft_backend, attention_mode=self.spec.attention_mode
             )
         self.adaptive = Adaptive(self.spec) if self.spec.adaptive else None
-        # rounds that sample may run another shape (SpecConfig.for_kind), chosen among its own candidates
+        # per kind: rounds that sample may run another shape (SpecConfig.for_kind), with its own candidates
         sampled_spec = self.spec.for_kind(True)
         self._adaptive: dict[bool, Adaptive] = {}
         if self.adaptive is not None:
-            self._adaptive = {False: self.adaptive, True: self.adaptive}
-            if sampled_spec is not self.spec:
-                self._adaptive[True] = Adaptive(sampled_spec)
+            self._adaptive = {
+                False: self.adaptive,
+                True: Adaptive(sampled_spec) if sampled_spec is not self.spec else self.adaptive,
+            }
         # (shape label, rounds, program signature) -> block programs adaptive speculation compiled ahead
         self._block_programs: dict[tuple, Any] = {}
         if self.adaptive is not None:

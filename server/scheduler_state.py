@@ -79,7 +79,8 @@ class SchedulerState:
             raise JaxspecError("--num-continuous-decode-steps must be >= 1")
         steps = self.spec.num_steps if self.spec else 0
         self.window = self.k * (steps + 1)
-        self.scratch = eng.spec.scratch_tokens  # KV columns a round writes past a request's last token
+        # KV columns a round of the server's shape writes past a request's last token
+        self.scratch = self.spec.scratch_tokens if self.spec else 0
         self.context_length = eng.context_length
         self.max_len = -(-(self.context_length + self.scratch) // 64) * 64
         self.num_stop = 8
