@@ -63,15 +63,17 @@ class SchedulerState:
         # calls too, at no extra cost), so they run the shape of rounds that sample (SpecConfig.for_kind)
         self.spec = eng.spec.for_kind(skips_unused()) if eng.spec.enabled else None
         self.prop = eng.proposer if self.spec else None
+        gpu = jax.devices()[0].platform != "cpu"
+        self.k = int(decode_steps or (8 if gpu else 2))  # rounds per dispatch
         # adaptive speculation: per dispatch, the tree shape or plain steps (its own cost table:
         # a dispatch's rounds are not the offline engine's programs)
-        self.adaptive = Adaptive(self.spec, margin=SERVER_MARGIN) if self.spec and self.spec.adaptive else None
+        self.adaptive = (
+            Adaptive(self.spec, margin=SERVER_MARGIN, rounds=self.k) if self.spec and self.spec.adaptive else None
+        )
         # label -> tree shape of each dispatch kind (server/programs.py): the configured one first
         cands = self.adaptive.candidates if self.adaptive else [self.spec]
         self.shapes: dict[str, SpecConfig | None] = {shape_label(c): c for c in cands}
         self.main_shape = shape_label(self.spec)
-        gpu = jax.devices()[0].platform != "cpu"
-        self.k = int(decode_steps or (8 if gpu else 2))
         # smallest KV span a program reads: long spans cost little on a GPU (fewer programs), but
         # attention over unused columns is a visible share of a CPU decode step (27 vs 32 tok/s)
         self.min_span = int(min_span or (512 if gpu else 64))

@@ -20,6 +20,7 @@ from jaxspec.speculative.adaptive import (
     OFFLINE_MARGIN,
     PRIOR_ROUNDS,
     SERVER_MARGIN,
+    TRIAL_ROUNDS,
     Adaptive,
     shallower,
     shape_label,
@@ -149,6 +150,57 @@ def test_choice_follows_cost_and_acceptance():
     # no prior at a depth (only shallower rounds seen): one half, as before any round
     np.testing.assert_allclose(a.expected_tokens(a.empty(2), np.array([True, False])), [1.7, 1.1 + 0.1 * 0.5])
     assert shape_label(SPEC) == "2/1/3" and shape_label(None) == OFF
+
+
+def test_a_trial_outweighs_costs_measured_while_the_machine_ran_slower():
+    """A candidate not chosen is measured only by the configured shape's trials, while the one
+    chosen is measured every block. Costs taken during a slow start (a server's first requests ran
+    the tree at twice its later cost) must not keep plain steps chosen for many trials: each sample
+    weighs half as much per COST_HALF_LIFE seconds older than the shape's newest."""
+    from jaxspec.speculative.adaptive import COST_HALF_LIFE
+
+    a = Adaptive(SPEC, margin=SERVER_MARGIN)
+    one = np.array([True])
+    acc = np.array([[[200, 120], [120, 60]]], float)  # 1.89 tokens a round expected at 2/1/3
+    sig = ("sig",)
+    a.compiled.add(sig)
+    for t in range(6):  # the start: the tree at 48 ms a round, plain steps at 27
+        a.observe_cost(SPEC, 1, 0.096, 2, sig, at=t * 0.1)
+        a.observe_cost(None, 1, 0.162, 6, sig, at=t * 0.1 + 0.05)
+    a.observe_cost(a.candidates[1], 1, 0.2, 2, sig, at=0.7)
+    a.observe_cost(a.candidates[1], 1, 0.2, 2, sig, at=0.8)
+    for t in range(8):  # later, settled: plain steps measured again each dispatch at 22 ms
+        a.observe_cost(None, 1, 0.132, 6, sig, at=10 + t * 0.1)
+    assert a.round_cost(None, 1) == pytest.approx(0.022)
+    assert a.choose(1, acc, one) is None  # 1.89 / 0.048 < 1.05 / 0.022
+    # one trial of the tree, 3 half-lives after its samples, at 24 ms a round: that is its cost now
+    a.observe_cost(SPEC, 1, 0.048, 2, sig, at=0.5 + 3 * COST_HALF_LIFE + 1)
+    assert a.round_cost(SPEC, 1) == pytest.approx(0.024)
+    assert a.choose(1, acc, one) is SPEC
+    # samples of the same moment weigh alike: the median, one slow block among them does not decide
+    a.cost_at[("2/1/3", 1, 0, False)] = [5.0] * 3
+    a.cost[("2/1/3", 1, 0, False)] = [0.024, 0.5, 0.026]
+    assert a.round_cost(SPEC, 1) == pytest.approx(0.026)
+    a.cost_at[("2/1/3", 1, 0, False)] = [5.0] * 4
+    a.cost[("2/1/3", 1, 0, False)] = [0.024, 0.5, 0.026, 0.02]
+    assert a.round_cost(SPEC, 1) == pytest.approx(0.025)  # an even count: between the middle two
+
+
+def test_a_trial_runs_several_short_blocks():
+    """The server's dispatches run a few rounds each: a trial of the configured shape lasts
+    TRIAL_ROUNDS rounds, so that it measures the shape's cost more than once and its acceptance over
+    more than a round or two, before the choice is made again."""
+    a = Adaptive(SPEC, margin=SERVER_MARGIN, rounds=2)
+    one = np.array([True])
+    a.cost[("2/1/3", 1, 0, False)] = [0.06, 0.06]
+    a.cost[("1/1/2", 1, 0, False)] = [0.05, 0.05]
+    a.cost[(OFF, 1, 0, False)] = [0.02, 0.02]
+    low = np.array([[[100, 10], [10, 0]]], float)
+    trial = TRIAL_ROUNDS // 2
+    picks = [a.choose(1, low, one) for _ in range(EXPLORE_MIN + trial + 1)]
+    assert picks == [None] * EXPLORE_MIN + [SPEC] * trial + [None]
+    assert a.explore_gap == 2 * EXPLORE_MIN  # confirmed: looks less often
+    assert Adaptive(SPEC).rounds >= TRIAL_ROUNDS  # offline, a block is a whole trial
 
 
 def test_costs_at_unmeasured_batch_sizes_are_interpolated():

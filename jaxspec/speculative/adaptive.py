@@ -13,7 +13,10 @@ cost: seconds per round of (shape, batch size B, span S, sampled) of the program
 (the server runs a call through the cheapest compiled program that covers it, whose batch size and
 KV span may be larger than the call's, and a sampling program may serve greedy calls; the offline
 engine has one span, 0, and one kind), the median over the last COST_SAMPLES blocks that did not
-compile (a median, so that one slow block, e.g. a busy machine, does not decide); at a batch size
+compile (a median, so that one slow block, e.g. a busy machine, does not decide), each block
+weighted by its recency (half the weight every COST_HALF_LIFE seconds older than the shape's newest
+block: a candidate not chosen is measured only by its trials, below, and one trial then outweighs
+samples taken while the machine ran slower, e.g. during a server's first requests); at a batch size
 not yet measured twice, interpolated from the batch sizes that were at the same span and kind (or
 the nearest span measured, of the same kind first).
 E[tokens per round]: 1 without speculation; with d draft steps 1 + sum_{j <= d} P(accepted >= j),
@@ -30,9 +33,11 @@ which side it favours was measured for each user of the choice:
   the offline engine (OFFLINE_MARGIN) stops speculating only where plain steps are expected to be
     5% faster: a block there holds no other work, the acceptance estimate runs low early in a
     request, and the server's rule cost it 7-9% against static speculation on MT-bench. While
-another candidate than the configured shape runs, the configured shape is tried again for one
-block after EXPLORE_MIN blocks, an interval that doubles (up to EXPLORE_MAX) each time the trial
-confirms the choice.
+another candidate than the configured shape runs, the configured shape is tried again after
+EXPLORE_MIN blocks, an interval that doubles (up to EXPLORE_MAX) each time the trial confirms the
+choice. A trial lasts at least TRIAL_ROUNDS rounds (one block offline; several of the server's
+dispatches of a few rounds each): the trial measures the shape's cost and also its acceptance,
+which a shape not chosen otherwise learns nothing of, and a request's first rounds are noisy.
 Only candidates with a compiled program are chosen: the server compiles them in the background
 after start-up, the offline engine (`Adaptive.run`) in a background thread when it meets a new
 batch / buffer / cache size, once the configured shape's first blocks have been timed.
@@ -66,11 +71,13 @@ OFF_BLOCK_ROUNDS = 32
 PRIOR_ROUNDS = 16.0  # a request's own rounds outweigh the prior once it has run more than this many
 PRIOR_DECAY = 0.98  # per block: the prior follows the last few hundred rounds
 COST_SAMPLES = 8  # a round's cost is the median of the last this many blocks' (once there are 2)
+COST_HALF_LIFE = 2.0  # seconds: a block's weight in that median halves per this much older than the newest
 # how much faster speculation must be expected to be than plain steps to run (negative: how much
 # faster plain steps must be expected to be to stop it); see the module docstring
 SERVER_MARGIN = 0.05
 OFFLINE_MARGIN = -0.05
 EXPLORE_MIN, EXPLORE_MAX = 4, 64
+TRIAL_ROUNDS = 8  # a trial of the configured shape runs at least this many rounds
 OFF = "off"
 
 logger = logging.getLogger("jaxspec")
@@ -112,10 +119,12 @@ class Adaptive:
 
     spec: SpecConfig
     margin: float = OFFLINE_MARGIN  # SERVER_MARGIN for the server
-    rounds: int = BLOCK_ROUNDS  # rounds per block of a tree shape
+    rounds: int = BLOCK_ROUNDS  # rounds per block of a tree shape (the server: per dispatch)
     off_rounds: int = OFF_BLOCK_ROUNDS  # plain steps per block without speculation
     # (label, B, S, sampled) -> seconds per round of the last blocks
     cost: dict[tuple[str, int, int, bool], list[float]] = dataclasses.field(default_factory=dict)
+    # the same keys -> when each of those blocks ended (time.monotonic()); a list absent: all equally recent
+    cost_at: dict[tuple[str, int, int, bool], list[float]] = dataclasses.field(default_factory=dict)
     compiled: set[tuple] = dataclasses.field(default_factory=set)  # program signatures run at least once
     # program signatures compiled ahead (offline engine, `run`): those a block may run without waiting
     ready: set[tuple] = dataclasses.field(default_factory=set)
@@ -125,6 +134,7 @@ class Adaptive:
     explore_gap: int = EXPLORE_MIN
     since_explore: int = 0
     exploring: bool = False
+    trial_left: int = 0  # blocks the trial under way still runs after this one
 
     def block_rounds(self, spec: SpecConfig | None) -> int:
         """Rounds (plain steps without speculation) in a block of `spec` (the offline engine)."""
@@ -174,10 +184,15 @@ class Adaptive:
         for c in cands:  # measure every candidate's cost first (at some batch size), the configured shape first
             if not self._measured(c):
                 return c
+        if self.trial_left > 0:  # a trial of the configured shape goes on
+            self.trial_left -= 1
+            return self.spec
+
+        def tokens(c):
+            return len(acc) if c is None else self.expected_tokens(acc, greedy, c).sum()
 
         def rate(c):
-            tokens = len(acc) if c is None else self.expected_tokens(acc, greedy, c).sum()
-            return (tokens + n_plain) / cost(c)
+            return (tokens(c) + n_plain) / cost(c)
 
         def cost(c):
             return self.round_cost(c, *where.get(shape_label(c), (batch, 0)))
@@ -188,7 +203,10 @@ class Adaptive:
             logger.debug(
                 "adaptive: batch %d, %s -> %s",
                 batch,
-                ", ".join(f"{shape_label(c)} {cost(c) * 1e3:.1f} ms/round {rate(c):.1f} tok/s" for c in cands),
+                ", ".join(
+                    f"{shape_label(c)} {cost(c) * 1e3:.1f} ms/round x {tokens(c) / len(acc):.2f} tokens {rate(c):.1f} tok/s"
+                    for c in cands
+                ),
                 shape_label(pick),
             )
         if self.exploring and pick is not self.spec:  # the last block looked again and confirmed: look less often
@@ -200,6 +218,7 @@ class Adaptive:
         self.since_explore += 1
         if self.since_explore > self.explore_gap:  # look again at every depth of the requests' acceptance
             self.since_explore, self.exploring = 0, True
+            self.trial_left = -(-TRIAL_ROUNDS // max(self.rounds, 1)) - 1
             return self.spec
         return pick
 
@@ -219,14 +238,33 @@ class Adaptive:
         sig: tuple,
         span: int = 0,
         sampled: bool = False,
+        at: float | None = None,
     ) -> None:
         """A block of `rounds` rounds of `spec` by a program of batch size `batch`, KV span `span`
-        and kind `sampled` (a sampling program, or greedy-only) took `seconds`. sig: the compiled
-        program that ran it; its first run (compiling, setting up) is not a cost sample."""
+        and kind `sampled` (a sampling program, or greedy-only) took `seconds`, ending at `at`
+        (time.monotonic(); default now). sig: the compiled program that ran it; its first run
+        (compiling, setting up) is not a cost sample."""
         if sig in self.compiled and rounds > 0:
             key = (shape_label(spec), batch, span, sampled)
             self.cost[key] = [*self.cost.get(key, []), seconds / rounds][-COST_SAMPLES:]
+            at = time.monotonic() if at is None else at
+            self.cost_at[key] = [*self.cost_at.get(key, []), at][-len(self.cost[key]) :]
         self.compiled.add(sig)
+
+    def _cost_of(self, key: tuple[str, int, int, bool]) -> float:
+        """Seconds per round at `key`: the median of its samples, each weighted by its recency
+        (COST_HALF_LIFE; with equal weights, numpy's median)."""
+        x = np.asarray(self.cost[key], np.float64)
+        at = self.cost_at.get(key)
+        if at is None or len(at) != len(x):
+            return float(np.median(x))
+        w = 0.5 ** ((max(at) - np.asarray(at, np.float64)) / COST_HALF_LIFE)
+        order = np.argsort(x, kind="stable")
+        x, cum = x[order], np.cumsum(w[order])
+        half = cum[-1] / 2
+        lo = int(np.searchsorted(cum, half * (1 - 1e-9)))  # the first sample reaching half the weight
+        hi = int(np.searchsorted(cum, half * (1 + 1e-9), side="right"))  # the first past it (a tie: both)
+        return float((x[lo] + x[min(hi, len(x) - 1)]) / 2)
 
     def observe_acceptance(self, block_hist: np.ndarray, greedy: np.ndarray, depth: int) -> np.ndarray:
         """block_hist [R, D + 1]: rounds of a block of a shape with `depth` draft steps that accepted
@@ -281,19 +319,19 @@ class Adaptive:
     def _measured(self, spec: SpecConfig | None) -> dict[tuple[int, int, bool], float]:
         """(batch size, span, sampled) -> median seconds per round of `spec`, where measured at least twice."""
         label = shape_label(spec)
-        return {k[1:]: float(np.median(v)) for k, v in self.cost.items() if k[0] == label and len(v) >= 2}
+        return {k[1:]: self._cost_of(k) for k, v in self.cost.items() if k[0] == label and len(v) >= 2}
 
     def round_cost(self, spec: SpecConfig | None, batch: int, span: int = 0, sampled: bool = False) -> float:
-        """Seconds per round of `spec` at (`batch`, `span`, `sampled`): the median of its samples
-        there, else interpolated linearly between the nearest batch sizes measured below and above
+        """Seconds per round of `spec` at (`batch`, `span`, `sampled`): the (recency-weighted)
+        median of its samples there, else interpolated linearly between the nearest batch sizes measured below and above
         at that span and kind (the nearest one when on one side only; when none was measured there,
         at the nearest span measured of the same kind if any, the larger span on a tie). Every batch
         size is thus chosen for from the first one measured: with requests finishing one by one a
         server meets many batch sizes, and measuring each candidate at each of them first kept it
         on the configured shape for most of its dispatches."""
-        own = self.cost.get((shape_label(spec), batch, span, sampled), [])
-        if len(own) >= 2:
-            return float(np.median(own))
+        key = (shape_label(spec), batch, span, sampled)
+        if len(self.cost.get(key, [])) >= 2:
+            return self._cost_of(key)
         measured = self._measured(spec)
         near = min(
             {k[1:] for k in measured}, key=lambda k: (k[1] != sampled, abs(np.log2(max(k[0], 1) / max(span, 1))), -k[0])
