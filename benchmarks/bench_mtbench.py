@@ -10,7 +10,9 @@ shipped drafts), and the share of rounds it ran without speculation is printed. 
 (num_steps/eagle_topk/num_draft_tokens) may follow an "@": EAGLE3:static@3/1/4. ALGO:target-only
 (or ALGO:static,target-only) keeps SGLang's target-only acceptance for sampled requests instead of
 drawing a path of drafts from the draft distribution. ALGO:decode runs verification and the draft's
-extend with --speculative-attention-mode decode (modes combine: EAGLE3:static,decode@2/1/3).
+extend with --speculative-attention-mode decode. ALGO:unquant (or int8, fp8, w8a8_int8) sets that
+draft's --speculative-draft-model-quantization, over --draft-quantization (modes combine:
+EAGLE3:static,decode@2/1/3, EAGLE3:static,unquant).
 
 --compare-layouts (CPU): every engine runs twice, with the out-major kernels CPU engines use and
 with in-major ones ("(in-major)" rows), side by side in the same run.
@@ -34,6 +36,9 @@ from common import machine, mtbench_first_turns
 
 from jaxspec.args import ModelArgs, add_arguments
 from jaxspec.bench import mtbench_categories, warmup_set
+
+
+DRAFT_QUANT = ("unquant", "int8", "fp8", "w8a8_int8")  # --draft modes: one engine's draft quantization
 
 
 def run(engines, ids, sp, bs) -> list[tuple]:
@@ -101,7 +106,7 @@ def main():
         default=[],
         help="ALGO=PATH or ALGO (repeatable), e.g. EAGLE3=path/to/head, EAGLE3 (the shipped draft), NGRAM; "
         "ALGO:static turns adaptive speculation off, ALGO:target-only sampled drafts, ALGO:decode the decode "
-        "attention mode (comma-separated: several)",
+        "attention mode, ALGO:unquant (or int8, fp8, w8a8_int8) that draft's quantization (comma-separated: several)",
     )
     ap.add_argument("--questions", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -149,8 +154,12 @@ def main():
         algo_mode, _, shape = name.partition("@")
         algo, _, mode = algo_mode.partition(":")
         modes = set(mode.split(",")) - {""}
-        if modes - {"static", "target-only", "decode"}:
-            ap.error(f"unknown draft mode in {name!r}: use static, target-only and/or decode")
+        quant = {m for m in modes if m in DRAFT_QUANT}
+        modes -= quant
+        if modes - {"static", "target-only", "decode"} or len(quant) > 1:
+            ap.error(
+                f"unknown draft mode in {name!r}: use static, target-only, decode and/or one of {', '.join(DRAFT_QUANT)}"
+            )
         steps, topk, n = (int(x) for x in shape.split("/")) if shape else (None, None, None)
         kw = dict(
             speculative_adaptive=False if "static" in modes else None,
@@ -164,10 +173,12 @@ def main():
             kw["speculative_attention_mode"] = "decode"
         if "target-only" in modes:
             kw["_draft_sampling"] = False
+        if quant:
+            kw["speculative_draft_model_quantization"] = quant.pop()
         configs.append((f"{name} ({os.path.basename(path.rstrip('/'))})" if path else name, kw))
     if args.compare_layouts:
         configs += [(f"{name} (in-major)", {**kw, "_out_major": False}) for name, kw in configs]
-    engines = [(name, jaxspec.Engine(**common_kw, **kw)) for name, kw in configs]
+    engines = [(name, jaxspec.Engine(**{**common_kw, **kw})) for name, kw in configs]
     plain = engines[0][1]
     qs = mtbench_first_turns(args.questions)
     cats = mtbench_categories(args.questions)

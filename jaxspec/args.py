@@ -180,8 +180,9 @@ class SpeculativeArgs:
     )
     speculative_draft_model_quantization: str | None = flag(
         None,
-        "quantization of the draft: int8, fp8, w8a8_int8, or unquant (keep the draft unquantized under a "
-        "quantized target); unset: the target's --quantization (w8a8_int8 under gguf, with the native int8 kernel)",
+        "quantization of the draft: int8, fp8, w8a8_int8, or unquant (keep the draft unquantized); unset: the "
+        "target's --quantization, except on a CPU with the native int8 kernel, where a float or gguf target's draft "
+        "runs in w8a8_int8 (float with online training or tensor parallelism)",
         choices=("int8", "fp8", "w8a8_int8", "unquant"),
     )
     speculative_draft_attention_backend: str | None = flag(

@@ -174,9 +174,12 @@ class Engine:
                 draft_backend = resolve_backend(args.speculative_draft_attention_backend or attention_backend)
             except ValueError as e:
                 raise JaxspecError(str(e)) from None
-            draft_layout = dataclasses.replace(
-                layout, quantization=draft_quantization(self.quantization, args.speculative_draft_model_quantization)
+            mode = draft_quantization(
+                self.quantization,
+                args.speculative_draft_model_quantization,
+                int8_on_cpu=args.tp_size == 1 and not args.speculative_online_train,
             )
+            draft_layout = dataclasses.replace(layout, quantization=mode)
             self._draft_layout = draft_layout
             proposer, self.dparams = prepare_draft(
                 self.spec, _loaded, args.dtype, draft_layout, self.mesh, show_progress

@@ -13,7 +13,8 @@ Modes (norms, embeddings, LM heads (but see head_int8 below) and the KV cache ke
              XLA:CPU fuses no weight conversion into its float matmuls.
   gguf       (target only, a GGUF file on CPU) the file's Q4_0 / Q4_1 / Q8_0 blocks kept as stored
              and multiplied by a native kernel (jaxspec/gguf.py); applied when the model loads
-  unquant    (draft only) keep the draft unquantized under a quantized target
+  unquant    (draft only) keep the draft unquantized (on a CPU a float or gguf target's draft
+             runs in w8a8_int8 unless told otherwise: `draft_quantization`)
 
 Under w8a8_int8 a target (or STANDALONE draft) also gets `head_int8`, an int8 copy of its LM head
 [H, V] (of the tied embedding, transposed, when tied) that computes its logits: a float LM head
@@ -87,13 +88,17 @@ def quantize_model(model: nnx.Module, mode: str | None) -> nnx.Module:
     return model
 
 
-def draft_quantization(target: str | None, draft: str | None) -> str | None:
-    """The draft's mode: --speculative-draft-model-quantization, else the target's. A draft is no
-    GGUF file: under a gguf target it runs in w8a8_int8 (measured faster than float beside it on CPU:
-    benchmarks/RESULTS.md), or in float where the native int8 kernel is unavailable."""
+def draft_quantization(target: str | None, draft: str | None, int8_on_cpu: bool = True) -> str | None:
+    """The draft's mode: --speculative-draft-model-quantization, else the target's, except on a CPU
+    with the native int8 kernel, where the draft of a float or gguf target runs in w8a8_int8 (a
+    draft is no GGUF file). A draft's products are few-row ones, which the kernel runs faster than
+    XLA's float ones; the draft only proposes, so its rounding changes no output, and it proposed as
+    well in int8 as in float32 on MT-bench (benchmarks/RESULTS.md). int8_on_cpu False (online
+    training, which swaps float weights in; tensor parallelism): a float target's draft stays float;
+    `unquant` asks for that too."""
     if draft:
         return draft
-    if target == "gguf":
+    if target == "gguf" or (target is None and int8_on_cpu):
         return "w8a8_int8" if native.available() else None
     return target
 

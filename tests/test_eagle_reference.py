@@ -220,6 +220,7 @@ def load_jaxspec(kind, target, path):
         speculative_num_steps=2,
         speculative_eagle_topk=1,
         speculative_num_draft_tokens=3,
+        speculative_draft_model_quantization="unquant",  # the float draft (on CPU it runs in int8 by default)
     )
     return eng.proposer, eng.dparams
 

@@ -171,6 +171,29 @@ def test_w8a8_eagle3_draft_head_is_int8_and_lossless(models):  # noqa: F811
     assert [r["output_ids"] for r in spec.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == plain
 
 
+def test_a_float_targets_draft_runs_in_int8_on_cpu(models):  # noqa: F811
+    """On a CPU with the native int8 kernel, the draft of a float (or gguf) target runs in w8a8_int8
+    unless told otherwise (`unquant`, another mode); online training and tensor parallelism keep it
+    float. Elsewhere a draft follows its target. Speculation stays lossless either way."""
+    from jaxspec import native
+    from jaxspec.quant import draft_quantization
+
+    int8 = "w8a8_int8" if native.available() else None
+    assert draft_quantization(None, None) == int8 and draft_quantization("gguf", None) == int8
+    assert draft_quantization(None, None, int8_on_cpu=False) is None
+    assert draft_quantization(None, "unquant") == "unquant" and draft_quantization("int8", None) == "int8"
+    assert draft_quantization("w8a8_int8", "unquant") == "unquant"
+    spec = engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_adaptive=False)
+    assert spec._draft_layout.quantization == int8
+    if int8 is not None:
+        assert spec.dparams["draft"]["lm_head"]["kernel"][...].dtype == jnp.int8
+    plain = [r["output_ids"] for r in engine(models).generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    assert [r["output_ids"] for r in spec.generate(input_ids=PROMPTS, sampling_params=GREEDY)] == plain
+    kept = engine(models, "EAGLE3", "eagle3", (3, 2, 6), speculative_draft_model_quantization="unquant")
+    assert kept._draft_layout.quantization == "unquant"
+    assert kept.dparams["draft"]["lm_head"]["kernel"][...].dtype == jnp.float32
+
+
 @pytest.mark.parametrize("native_kernel", [True, False])
 def test_w8a8_kernel_layout(models, monkeypatch, native_kernel):  # noqa: F811
     """On CPU float kernels are stored out-major [out, in] (models/llama.py:out_major); w8a8_int8

@@ -77,7 +77,8 @@ def test_target_as_its_own_draft_accepts_everything(models, target, knobs):  # n
     i.e. when its path scores beat the side branches: true for a sharp target (test), not in
     general (a flat target's second-best depth-1 child can outscore the chain's deep nodes)."""
     steps = knobs[0]
-    eng = engine(models, "STANDALONE", target, knobs, target=target)
+    # the draft unquantized, i.e. the target itself (on CPU a draft runs in int8 by default)
+    eng = engine(models, "STANDALONE", target, knobs, target=target, speculative_draft_model_quantization="unquant")
     out = eng.generate(input_ids=PROMPTS, sampling_params=dict(GREEDY, max_new_tokens=1 + 5 * (steps + 1)))
     for r in out:
         hist = r["meta_info"]["spec_accept_histogram"]
