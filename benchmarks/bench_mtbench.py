@@ -37,7 +37,6 @@ from common import machine, mtbench_first_turns
 from jaxspec.args import ModelArgs, add_arguments
 from jaxspec.bench import mtbench_categories, warmup_set
 
-
 DRAFT_QUANT = ("unquant", "int8", "fp8", "w8a8_int8")  # --draft modes: one engine's draft quantization
 
 
