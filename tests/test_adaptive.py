@@ -296,7 +296,9 @@ def test_alternating_blocks_are_lossless(models, algo, draft, knobs, target):  #
     """Blocks cycle through the tree, plain steps and the shallower tree: greedy output equals plain
     decoding, and with the target as its own draft every round after a plain block still accepts
     every draft token (the plain steps kept the draft's cache in step)."""
-    eng = _forced(engine(models, algo, draft, knobs, target=target, speculative_adaptive=True), [0, -1, 1])
+    # the target as its own draft runs unquantized, i.e. is the target (on CPU a draft runs in int8 by default)
+    quant = dict(speculative_draft_model_quantization="unquant") if draft == "target" else {}
+    eng = _forced(engine(models, algo, draft, knobs, target=target, speculative_adaptive=True, **quant), [0, -1, 1])
     sp = dict(GREEDY, max_new_tokens=60)
     ref = engine(models).generate(input_ids=PROMPTS, sampling_params=sp)
     out = eng.generate(input_ids=PROMPTS, sampling_params=sp)
@@ -414,7 +416,14 @@ def test_server_measures_costs_and_acceptance(models, plain):  # noqa: F811
     draft token), and then runs mostly the candidate that its own measurements favour."""
     from jaxspec.server.scheduler import Request, Scheduler
 
-    eng = engine(models, "STANDALONE", "target", (4, 1, 5), speculative_adaptive=True)
+    eng = engine(
+        models,
+        "STANDALONE",
+        "target",
+        (4, 1, 5),
+        speculative_adaptive=True,
+        speculative_draft_model_quantization="unquant",
+    )
     sched = Scheduler(eng, max_running_requests=2, overlap=False)
     a, picks, choose = sched.adaptive, [], sched.adaptive.choose
     assert a.margin == SERVER_MARGIN

@@ -182,7 +182,7 @@ class Adaptive:
         if len(acc) == 0:
             return None if None in cands else self.spec
         for c in cands:  # measure every candidate's cost first (at some batch size), the configured shape first
-            if not self._measured(c):
+            if not self._timed(c):
                 return c
         if self.trial_left > 0:  # a trial of the configured shape goes on
             self.trial_left -= 1
@@ -315,6 +315,11 @@ class Adaptive:
             self._compiling[(shape_label(c), *signature)] = thread
         _THREADS.add(thread)
         thread.start()
+
+    def _timed(self, spec: SpecConfig | None) -> bool:
+        """Whether `spec` was measured at least twice somewhere (its cost is known)."""
+        label = shape_label(spec)
+        return any(k[0] == label and len(v) >= 2 for k, v in self.cost.items())
 
     def _measured(self, spec: SpecConfig | None) -> dict[tuple[int, int, bool], float]:
         """(batch size, span, sampled) -> median seconds per round of `spec`, where measured at least twice."""
