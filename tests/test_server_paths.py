@@ -108,6 +108,7 @@ def selfspec(dirs):
         context_length=CTX,
         speculative_algorithm="STANDALONE",
         speculative_draft_model_path=dirs["target"],
+        speculative_draft_model_quantization="unquant",  # the target itself (on CPU a draft runs in int8 by default)
         speculative_num_steps=S,
         speculative_eagle_topk=1,
         speculative_num_draft_tokens=S + 1,
@@ -616,6 +617,8 @@ def test_sigterm_mid_stream_with_speculation(dirs):
             "STANDALONE",
             "--speculative-draft-model-path",
             dirs["target"],
+            "--speculative-draft-model-quantization",
+            "unquant",
             "--speculative-num-steps",
             str(S),
             "--speculative-eagle-topk",
