@@ -39,8 +39,9 @@ def prometheus_text(sched: Scheduler, model: str) -> str:
         (
             "background_compile_remaining",
             "gauge",
-            "program shapes the background compile has yet to reach",
-            max(sched.programs.background_total - sched.programs.background_done, 0),
+            "background work left: program shapes to compile, programs to compile again for the program store, "
+            "compiled programs not yet run once",
+            sched.programs.background_left(),
         ),
         ("prompt_tokens_total", "counter", "prompt tokens of accepted requests", st.prompt_tokens),
         (

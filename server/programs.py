@@ -153,6 +153,7 @@ class Programs:
         self._tbl: dict[tuple, Any] = {}
         self._store: ProgramStore | None = None  # compiled programs on disk (server/program_store.py)
         self.unstored: collections.deque = collections.deque()  # keys compiled but not stored
+        self.storing = 0  # keys being compiled again for the store now (store_again)
         self._thread: threading.Thread | None = None
         self.compiles_begun = self.compiles_ended = 0  # compile_mark
         self._stop = False
@@ -380,6 +381,14 @@ class Programs:
         """Runs a compiled program once on free slots (server/exercise.py)."""
         exercise(self, key, prog)
 
+    def background_left(self) -> int:
+        """Background work not done yet, each item a compile or a program's first run: shapes to
+        compile, programs to compile again for the store, programs compiled but not yet run once.
+        Zero means the background will take no core until a call asks for a new program."""
+        with self.lock:
+            compiles = max(self.background_total - self.background_done, 0)
+        return compiles + len(self.unstored) + self.storing + len(self.fresh)
+
     def want(self, key: tuple) -> None:
         """Asks the background thread to compile `key` before its own list (once per key; nothing
         when it is compiled already, without a background thread, or once it has stopped for
@@ -444,6 +453,7 @@ class Programs:
                 if share > WANTED_BUDGET:
                     with self.lock:
                         self.background_total = self.background_done
+                    self.unstored.clear()  # left to JAX's cache
                     self._stop = True  # for good: `want` asks no more
                     return None
                 if self.wanted or keys or self.unstored:
@@ -459,6 +469,8 @@ class Programs:
                             return key
                         if keys:
                             return keys.popleft()
+                        with self.lock:
+                            self.storing += 1
                         return ("store", self.unstored.popleft())
                 time.sleep(0.1)
             return None
@@ -471,7 +483,11 @@ class Programs:
                 pass
             while (key := next_key()) is not None:
                 if key[0] == "store":
-                    self.store_again(key[1])
+                    try:
+                        self.store_again(key[1])
+                    finally:
+                        with self.lock:
+                            self.storing -= 1
                     continue
                 if key not in self._table():
                     try:
@@ -511,6 +527,7 @@ class Programs:
             self.background_total = self.background_done
         self.wanted.clear()
         self.wanted_at.clear()
+        self.unstored.clear()
         self._stop = True
 
     def store_again(self, key: tuple) -> None:

@@ -39,6 +39,8 @@ def test_a_second_start_loads_the_stored_programs(model_dirs, tmp_path):  # noqa
     # another context (an upgrade, say): JAX's cache supplies the programs; they are compiled again and stored
     third = start(model_dirs["target"], cache, JAXSPEC_STORE_TEST="upgrade", STORE_AGAIN="1")
     assert third["loaded"] == [] and third["saved"] == [] and third["stored_again"] == len(first["saved"]), third
+    before, unstored, after = third["left"]
+    assert unstored == len(first["saved"]) and before - after == unstored, third
     fourth = start(model_dirs["target"], cache, JAXSPEC_STORE_TEST="upgrade")
     assert fourth["loaded"] == first["saved"] and fourth["tokens"] == first["tokens"]
     # an unreadable file: logged and compiled, the tokens unchanged
@@ -107,11 +109,13 @@ def _child(model: str) -> dict:
     keys = progs.startup_keys(progs.startup_bs)
     grammar = [k for k in keys if k[0] == "dispatch" and k[6]] + [k for k in keys if k[0] == "finish"]
     again = 0
+    left = [progs.background_left(), len(progs.unstored)]  # background work counts the compiles for the store
     if os.environ.get("STORE_AGAIN"):
         while progs.unstored:
             before = store.saved
             progs.store_again(progs.unstored.popleft())
             again += store.saved - before
+        left.append(progs.background_left())
     got = {}
     for i, ids in enumerate(PROMPTS):
         sched.submit(
@@ -127,6 +131,7 @@ def _child(model: str) -> dict:
     return {
         "saved": sorted(saved[: len(saved) - again]),
         "stored_again": again,
+        "left": left,
         "loaded": sorted(loaded),
         "traced": len([k for k in traced if k in keys]),
         "grammar": len(grammar),
