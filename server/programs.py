@@ -451,6 +451,12 @@ class Programs:
                 if keys and share > MAP_BUDGET:
                     drop_list("the process holds %d memory maps of the kernel's %d (vm.max_map_count)", *usage)
                 if share > WANTED_BUDGET:
+                    logger.warning(
+                        "background compiles stopped for good after %d programs: the process holds %d memory maps of "
+                        "the kernel's %d (vm.max_map_count); calls are served by the programs compiled so far",
+                        self.background_done,
+                        *usage,
+                    )
                     with self.lock:
                         self.background_total = self.background_done
                     self.unstored.clear()  # left to JAX's cache
