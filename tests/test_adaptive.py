@@ -657,9 +657,16 @@ def test_programs_calls_want_compile_first_and_past_the_list_budget(models, monk
                 break
             time.sleep(0.01)
         progs.want(second)
+        for _ in range(300):
+            if len(done) == 2:
+                break
+            time.sleep(0.01)
+        # over WANTED_BUDGET now: the budgets are read when there is work, so the next key stops it
+        progs.want(("dispatch", 2, 1024, True, OFF, False, False))
         progs._thread.join(30)
     assert not progs._thread.is_alive()
     assert done == [first, second]  # wanted first; the list stopped at MAP_BUDGET, the wanted key still compiled
+    assert "stopped for good after 2 programs" in caplog.text
     assert progs.background_done == progs.background_total == 2
     progs.want(("dispatch", 1, 64, True, OFF, False, False))  # stopped for good: nothing more is asked
     assert progs.background_total == 2 and not progs.wanted
