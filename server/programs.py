@@ -329,6 +329,7 @@ class Programs:
                 return tbl[key]
         with self.lock:
             self.compiles_begun += 1
+        logger.debug("compiling %s", key)
         try:
             store = self._store
             prog = store.load(key, self._in_tree(key)) if store is not None else None

@@ -31,7 +31,7 @@ from jaxspec.server.prefix_cache import PrefixCache
 from jaxspec.server.programs import Programs
 from jaxspec.server.records import Pending, PrefillGroup, Request, Stats
 from jaxspec.serving import SlotBatch
-from jaxspec.speculative.adaptive import SERVER_MARGIN, Adaptive, shape_label
+from jaxspec.speculative.adaptive import SERVER_MARGIN, SERVER_PRIOR_ROUNDS, Adaptive, shape_label
 from jaxspec.speculative.loop import SpecState
 from jaxspec.speculative.online import feature_window, read_features
 from jaxspec.speculative.proposers.eagle import EagleProposer
@@ -68,7 +68,9 @@ class SchedulerState:
         # adaptive speculation: per dispatch, the tree shape or plain steps (its own cost table:
         # a dispatch's rounds are not the offline engine's programs)
         self.adaptive = (
-            Adaptive(self.spec, margin=SERVER_MARGIN, rounds=self.k) if self.spec and self.spec.adaptive else None
+            Adaptive(self.spec, SERVER_MARGIN, self.k, prior_rounds=SERVER_PRIOR_ROUNDS, retry_all=True)
+            if self.spec and self.spec.adaptive
+            else None
         )
         # label -> tree shape of each dispatch kind (server/programs.py): the configured one first
         cands = self.adaptive.candidates if self.adaptive else [self.spec]

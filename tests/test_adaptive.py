@@ -15,11 +15,13 @@ from jaxspec.config import SpecConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingParams
 from jaxspec.speculative.adaptive import (
+    EXPLORE_MAX,
     EXPLORE_MIN,
     OFF,
     OFFLINE_MARGIN,
     PRIOR_ROUNDS,
     SERVER_MARGIN,
+    SERVER_PRIOR_ROUNDS,
     TRIAL_ROUNDS,
     Adaptive,
     shallower,
@@ -116,17 +118,17 @@ def test_choice_follows_cost_and_acceptance():
     low = acc([100, 10], [10, 0])
     picks = [a.choose(1, low, one) for _ in range(EXPLORE_MIN + 1)]
     assert picks[:EXPLORE_MIN] == [None] * EXPLORE_MIN and picks[-1] is SPEC  # then a look again
-    assert a.choose(1, low, one) is None and a.explore_gap == 2 * EXPLORE_MIN  # confirmed: looks less often
+    assert a.choose(1, low, one) is None and a.explore_gap["2/1/3"] == 2 * EXPLORE_MIN  # confirmed: looks less often
     # both depths accepted often: 2.39 / 0.06 > 1.85 / 0.0475 > 1 / 0.035
     high = acc([100, 90], [90, 60])
-    assert a.choose(1, high, one) is SPEC and a.explore_gap == EXPLORE_MIN
+    assert a.choose(1, high, one) is SPEC and a.explore_gap["2/1/3"] == EXPLORE_MIN
     # depth 1 often, depth 2 rarely: the shallower shape, 1.6 / 0.0475 > 1.66 / 0.06, 1 / 0.035
     mid = acc([1000, 600], [600, 60])
     assert a.choose(1, mid, one) is half
     # the server's margin: 1.6 / 0.0544 is 3% above 1 / 0.035, not the 5% speculation must gain
     a.margin = SERVER_MARGIN
     a.cost[("1/1/2", 1, 0, False)] = [0.0544, 0.0544]
-    a.since_explore = -100  # (no trial of the configured shape in between)
+    a.since_explore["2/1/3"] = -100  # (no trial of the configured shape in between)
     assert a.choose(1, mid, one) is None
     a.cost[("1/1/2", 1, 0, False)] = [0.0515, 0.0515]  # 9% above: speculation
     assert a.choose(1, mid, one) is half
@@ -135,7 +137,7 @@ def test_choice_follows_cost_and_acceptance():
     a.cost[("2/1/3", 1, 0, False)] = [0.066, 0.066]  # 1.66 / 0.066: below the shallower shape from here on
     for cost, pick in [(0.0544, half), (0.058, half), (0.0625, None)]:  # plain steps 3% behind, 3% and 11% ahead
         a.cost[("1/1/2", 1, 0, False)] = [cost, cost]
-        a.since_explore = -100
+        a.since_explore["2/1/3"] = -100
         assert a.choose(1, mid, one) is pick, cost
     assert Adaptive(SPEC).margin == OFFLINE_MARGIN
     a.margin = SERVER_MARGIN
@@ -199,8 +201,65 @@ def test_a_trial_runs_several_short_blocks():
     trial = TRIAL_ROUNDS // 2
     picks = [a.choose(1, low, one) for _ in range(EXPLORE_MIN + trial + 1)]
     assert picks == [None] * EXPLORE_MIN + [SPEC] * trial + [None]
-    assert a.explore_gap == 2 * EXPLORE_MIN  # confirmed: looks less often
+    assert a.explore_gap["2/1/3"] == 2 * EXPLORE_MIN  # confirmed: looks less often
     assert Adaptive(SPEC).rounds >= TRIAL_ROUNDS  # offline, a block is a whole trial
+
+
+def test_the_server_tries_plain_steps_again_while_the_tree_runs():
+    """The server's costs are measured beside changing load, so a candidate measured once while it
+    ran slow must not stay unchosen: with `retry_all` (the server) plain steps get trials while the
+    tree runs, as the configured shape does while they run. A trial that finds them faster now
+    switches; one that confirms the tree makes the next trial come later. Offline, only the
+    configured shape has trials."""
+    sig = ("sig",)
+    acc = np.array([[[200, 120], [120, 60]]], float)  # 1.89 tokens a round expected at 2/1/3
+    one = np.array([True])
+    trial = TRIAL_ROUNDS // 2
+
+    def start(**kw):
+        a = Adaptive(SPEC, margin=SERVER_MARGIN, rounds=2, **kw)
+        a.compiled.add(sig)
+        for t in range(4):  # plain steps measured while the machine ran slow: 40 ms a round
+            a.observe_cost(None, 1, 0.08, 2, sig, at=t * 0.1)
+            a.observe_cost(a.candidates[1], 1, 0.2, 2, sig, at=t * 0.1)
+        for t in range(4):  # the tree at 40 ms a round: 1.89 / 0.04 > 1.05 / 0.04
+            a.observe_cost(SPEC, 1, 0.08, 2, sig, at=1 + t * 0.1)
+        return a
+
+    a = start(retry_all=True)
+    picks = [shape_label(a.choose(1, acc, one)) for _ in range(EXPLORE_MIN + 2 * trial)]
+    # the shallower shape first (the candidates' order), then plain steps, due as well
+    assert picks == ["2/1/3"] * EXPLORE_MIN + ["1/1/2"] * trial + [OFF] * trial
+    for t in range(trial):  # the trial finds them at 15 ms a round now: 1 / 0.015 > 1.89 / 0.04 x 1.05
+        a.observe_cost(None, 1, 0.03, 2, sig, at=30 + t * 0.1)
+    assert a.choose(1, acc, one) is None
+    assert a.explore_gap[OFF] == EXPLORE_MIN and a.explore_gap["1/1/2"] == 2 * EXPLORE_MIN
+
+    b = start(retry_all=True)
+    for t in range(40):  # trials that keep confirming the tree come ever later
+        b.observe_cost(None, 1, 0.08, 2, sig, at=2 + t)
+        b.choose(1, acc, one)
+    assert b.explore_gap[OFF] > EXPLORE_MIN
+
+    c = start()  # offline: plain steps measured once stay
+    assert {shape_label(c.choose(1, acc, one)) for _ in range(3 * EXPLORE_MAX)} == {"2/1/3"}
+
+
+def test_the_server_weighs_the_prior_more_than_a_request_s_first_rounds():
+    """A request whose first rounds accepted less than earlier requests did: offline its own rounds
+    soon outweigh the prior and plain steps run; the server (SERVER_PRIOR_ROUNDS) keeps the tree,
+    since plain steps would teach its estimate nothing and a dip held it on them."""
+    one = np.array([True])
+    dip = np.array([[[24, 6], [6, 1]]], float)  # 24 rounds: depth 1 accepted 6 times, depth 2 once
+    picks = {}
+    for w in (PRIOR_ROUNDS, SERVER_PRIOR_ROUNDS):
+        a = Adaptive(SPEC, margin=SERVER_MARGIN, prior_rounds=w)
+        a.prior = {True: np.array([[1000.0, 620.0], [620.0, 260.0]])}  # 1.88 tokens a round before
+        a.cost = {("2/1/3", 1, 0, False): [0.0217] * 2, (OFF, 1, 0, False): [0.0142] * 2}
+        # break-even: 1.05 x 21.7 / 14.2 = 1.60 tokens a round
+        picks[w] = (a.expected_tokens(dip, one)[0], a.choose(1, dip, one, allowed=["2/1/3", OFF]))
+    assert picks[PRIOR_ROUNDS][0] == pytest.approx(1.537, abs=1e-3) and picks[PRIOR_ROUNDS][1] is None
+    assert picks[SERVER_PRIOR_ROUNDS][0] == pytest.approx(1.725, abs=1e-3) and picks[SERVER_PRIOR_ROUNDS][1] is SPEC
 
 
 def test_costs_at_unmeasured_batch_sizes_are_interpolated():
@@ -426,7 +485,7 @@ def test_server_measures_costs_and_acceptance(models, plain):  # noqa: F811
     )
     sched = Scheduler(eng, max_running_requests=2, overlap=False)
     a, picks, choose = sched.adaptive, [], sched.adaptive.choose
-    assert a.margin == SERVER_MARGIN
+    assert a.margin == SERVER_MARGIN and a.prior_rounds == SERVER_PRIOR_ROUNDS and a.retry_all
 
     def favoured(batch, acc, greedy, n_plain=0, allowed=None):
         """The candidate the measurements so far favour (the costs of sub-millisecond rounds move

@@ -22,9 +22,14 @@ the nearest span measured, of the same kind first).
 E[tokens per round]: 1 without speculation; with d draft steps 1 + sum_{j <= d} P(accepted >= j),
 P(accepted >= j) = prod_{i <= j} P(depth i accepted | depth i - 1 was), each factor counted over
 the rounds that reached depth i (a product-limit estimate: rounds of a shallower shape say nothing
-about deeper depths), from the request's own rounds plus, as a prior worth PRIOR_ROUNDS rounds,
-those of earlier requests of the same kind (greedy or sampled). Rounds of every tree shape are
-pooled per depth (an approximation when their widths differ). A margin settles near-ties, and
+about deeper depths), from the request's own rounds plus, as a prior worth PRIOR_ROUNDS rounds
+(the server: SERVER_PRIOR_ROUNDS), those of earlier requests of the same kind (greedy or sampled).
+The server weighs the prior more: its dispatches run 2 rounds on a CPU, a request's own estimate
+moves with every few of them, and a dip below the plain steps' break-even (they teach the estimate
+nothing) held a request on plain steps where the tree would have served it faster. On 32 MT-bench
+requests per level it served 1.17x / 1.02x plain at concurrency 1 (T = 0 / 1) with PRIOR_ROUNDS and
+1.20x / 1.12x with SERVER_PRIOR_ROUNDS; static speculation, 1.25x / 1.05x. Rounds of every tree
+shape are pooled per depth (an approximation when their widths differ). A margin settles near-ties, and
 which side it favours was measured for each user of the choice:
   the server (SERVER_MARGIN) speculates only where the best shape is expected to be 5% faster than
     plain steps: what the estimates leave out (a dispatch's host work, admissions waiting behind
@@ -32,12 +37,18 @@ which side it favours was measured for each user of the choice:
     server lost 9% running the tree where it expected 0-5% more than plain steps;
   the offline engine (OFFLINE_MARGIN) stops speculating only where plain steps are expected to be
     5% faster: a block there holds no other work, the acceptance estimate runs low early in a
-    request, and the server's rule cost it 7-9% against static speculation on MT-bench. While
-another candidate than the configured shape runs, the configured shape is tried again after
-EXPLORE_MIN blocks, an interval that doubles (up to EXPLORE_MAX) each time the trial confirms the
-choice. A trial lasts at least TRIAL_ROUNDS rounds (one block offline; several of the server's
-dispatches of a few rounds each): the trial measures the shape's cost and also its acceptance,
-which a shape not chosen otherwise learns nothing of, and a request's first rounds are noisy.
+    request, and the server's rule cost it 7-9% against static speculation on MT-bench.
+Trials: a candidate not chosen is tried again after EXPLORE_MIN blocks, an interval that doubles
+(up to EXPLORE_MAX) each time the trial confirms the choice and starts again from EXPLORE_MIN once
+the candidate is chosen. The configured shape is always tried so: a trial measures its acceptance,
+which a shape not chosen otherwise learns nothing of. The server (`retry_all`) tries every other
+candidate too, plain steps included: its costs are measured beside changing load (admissions,
+prefill chunks, other requests' lengths), and a cost measured once while it ran slow stayed, with
+the tree chosen at every dispatch of a level where it served 0.88x plain steps. Offline, blocks run
+alone and their costs are steady, and a trial of plain steps there is a block of OFF_BLOCK_ROUNDS.
+A trial lasts at least TRIAL_ROUNDS rounds (one block offline; several of the server's dispatches
+of a few rounds each), so that it measures more than one cost sample and a request's acceptance
+over more than its first, noisy rounds.
 Only candidates with a compiled program are chosen: the server compiles them in the background
 after start-up, the offline engine (`Adaptive.run`) in a background thread when it meets a new
 batch / buffer / cache size, once the configured shape's first blocks have been timed.
@@ -69,6 +80,7 @@ BLOCK_ROUNDS = 16
 # block under gguf on a 2-core CPU, where 8 plain steps cost 7.5% more than plain decoding and 32 1.4%
 OFF_BLOCK_ROUNDS = 32
 PRIOR_ROUNDS = 16.0  # a request's own rounds outweigh the prior once it has run more than this many
+SERVER_PRIOR_ROUNDS = 64.0  # the server's (see the module docstring)
 PRIOR_DECAY = 0.98  # per block: the prior follows the last few hundred rounds
 COST_SAMPLES = 8  # a round's cost is the median of the last this many blocks' (once there are 2)
 COST_HALF_LIFE = 2.0  # seconds: a block's weight in that median halves per this much older than the newest
@@ -121,6 +133,7 @@ class Adaptive:
     margin: float = OFFLINE_MARGIN  # SERVER_MARGIN for the server
     rounds: int = BLOCK_ROUNDS  # rounds per block of a tree shape (the server: per dispatch)
     off_rounds: int = OFF_BLOCK_ROUNDS  # plain steps per block without speculation
+    prior_rounds: float = PRIOR_ROUNDS  # the prior's weight in a request's acceptance, in rounds
     # (label, B, S, sampled) -> seconds per round of the last blocks
     cost: dict[tuple[str, int, int, bool], list[float]] = dataclasses.field(default_factory=dict)
     # the same keys -> when each of those blocks ended (time.monotonic()); a list absent: all equally recent
@@ -131,9 +144,10 @@ class Adaptive:
     _compiling: dict[tuple, threading.Thread] = dataclasses.field(default_factory=dict)
     # greedy / sampled -> [2, D] acceptance of earlier requests' rounds (decayed)
     prior: dict[bool, np.ndarray] = dataclasses.field(default_factory=dict)
-    explore_gap: int = EXPLORE_MIN
-    since_explore: int = 0
-    exploring: bool = False
+    retry_all: bool = False  # trials of every candidate not chosen, not only of the configured shape
+    explore_gap: dict[str, int] = dataclasses.field(default_factory=dict)  # label -> blocks between trials
+    since_explore: dict[str, int] = dataclasses.field(default_factory=dict)  # label -> blocks since it ran
+    trial: str | None = None  # the label of the candidate under trial
     trial_left: int = 0  # blocks the trial under way still runs after this one
 
     def block_rounds(self, spec: SpecConfig | None) -> int:
@@ -160,7 +174,8 @@ class Adaptive:
         start = np.stack([np.ones(self.spec.num_steps), np.full(self.spec.num_steps, 0.5)])  # none seen yet
         prior = np.stack([self.prior.get(bool(g), start) for g in greedy])  # [R, 2, D]
         cond0 = np.where(prior[:, 0] > 0, prior[:, 1] / np.maximum(prior[:, 0], 1e-9), 0.5)
-        cond = (acc[:, 1] + PRIOR_ROUNDS * cond0) / (acc[:, 0] + PRIOR_ROUNDS)
+        w = self.prior_rounds
+        cond = (acc[:, 1] + w * cond0) / (acc[:, 0] + w)
         return 1.0 + np.cumprod(cond, -1)[:, : spec.num_steps].sum(-1)
 
     def choose(
@@ -184,9 +199,10 @@ class Adaptive:
         for c in cands:  # measure every candidate's cost first (at some batch size), the configured shape first
             if not self._timed(c):
                 return c
-        if self.trial_left > 0:  # a trial of the configured shape goes on
+        under_trial = [c for c in cands if shape_label(c) == self.trial]
+        if self.trial_left > 0 and under_trial:  # a trial goes on (while its candidate can run)
             self.trial_left -= 1
-            return self.spec
+            return under_trial[0]
 
         def tokens(c):
             return len(acc) if c is None else self.expected_tokens(acc, greedy, c).sum()
@@ -209,17 +225,19 @@ class Adaptive:
                 ),
                 shape_label(pick),
             )
-        if self.exploring and pick is not self.spec:  # the last block looked again and confirmed: look less often
-            self.explore_gap = min(2 * self.explore_gap, EXPLORE_MAX)
-        self.exploring = False
-        if pick is self.spec:
-            self.since_explore, self.explore_gap = 0, EXPLORE_MIN
-            return self.spec
-        self.since_explore += 1
-        if self.since_explore > self.explore_gap:  # look again at every depth of the requests' acceptance
-            self.since_explore, self.exploring = 0, True
-            self.trial_left = -(-TRIAL_ROUNDS // max(self.rounds, 1)) - 1
-            return self.spec
+        if self.trial is not None and self.trial != shape_label(pick):  # the trial confirmed: look less often
+            self.explore_gap[self.trial] = min(2 * self.explore_gap.get(self.trial, EXPLORE_MIN), EXPLORE_MAX)
+        self.trial, self.trial_left = None, 0
+        self.since_explore[shape_label(pick)], self.explore_gap[shape_label(pick)] = 0, EXPLORE_MIN
+        for c in cands:
+            label = shape_label(c)
+            if c is pick or not (c is self.spec or self.retry_all):
+                continue
+            self.since_explore[label] = self.since_explore.get(label, 0) + 1
+            if self.trial is None and self.since_explore[label] > self.explore_gap.get(label, EXPLORE_MIN):
+                self.since_explore[label], self.trial = 0, label
+                self.trial_left = -(-TRIAL_ROUNDS // max(self.rounds, 1)) - 1
+                pick = c
         return pick
 
     def plain_wins(self, best: float, plain: float) -> bool:
