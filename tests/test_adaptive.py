@@ -685,6 +685,25 @@ def test_program_spans_and_the_constrained_cover(models):  # noqa: F811
         assert key in startup and key[6] and key[2] >= span, key
 
 
+def test_short_prompts_have_their_own_prefill_chunk_from_start_up(models):  # noqa: F811
+    """At the short spans (chat prompts) the start-up set holds each prompt length's own chunk, and
+    a cached prompt's tail's (the smallest), so that no prompt is prefilled through a span's largest
+    chunk while its own waits for background compiles that may have stopped for good."""
+    from jaxspec.engine import Engine
+    from jaxspec.server.scheduler import Scheduler
+
+    eng = Engine(models["target"], skip_tokenizer_init=True, show_progress=False, chunked_prefill_size=256)
+    sched = Scheduler(eng, max_running_requests=1)
+    progs = sched.programs
+    progs.lazy = False
+    assert progs.chunk_sizes() == [64, 128, 256] and progs.spans()[:2] == [64, 256]
+    for key in progs.startup_keys(1):
+        progs._table()[key] = object()  # as if compiled
+    for length, start in ((1, 0), (64, 0), (65, 0), (100, 0), (129, 0), (250, 0), (200, 190)):
+        plan = progs.prefill_plan(1, length, start=start)
+        assert plan == progs.prefill_plan(1, length, exact=True, start=start), (length, start, plan)
+
+
 def test_programs_calls_want_compile_first_and_past_the_list_budget(models, monkeypatch, caplog):  # noqa: F811
     """A call served through a larger program asks for its own (`want`): the background compiles it
     before its list, and goes on compiling such programs after the list stopped at MAP_BUDGET,
