@@ -687,8 +687,9 @@ def test_program_spans_and_the_constrained_cover(models):  # noqa: F811
 
 def test_short_prompts_have_their_own_prefill_chunk_from_start_up(models):  # noqa: F811
     """At the short spans (chat prompts) the start-up set holds each prompt length's own chunk, and
-    a cached prompt's tail's (the smallest), so that no prompt is prefilled through a span's largest
-    chunk while its own waits for background compiles that may have stopped for good."""
+    with prefix caching a cached prompt's tail's (the smallest), so that no prompt is prefilled
+    through a span's largest chunk while its own waits for background compiles that may have
+    stopped for good."""
     from jaxspec.engine import Engine
     from jaxspec.server.scheduler import Scheduler
 
@@ -702,6 +703,9 @@ def test_short_prompts_have_their_own_prefill_chunk_from_start_up(models):  # no
     for length, start in ((1, 0), (64, 0), (65, 0), (100, 0), (129, 0), (250, 0), (200, 190)):
         plan = progs.prefill_plan(1, length, start=start)
         assert plan == progs.prefill_plan(1, length, exact=True, start=start), (length, start, plan)
+    # without prefix caching no prompt has a cached tail: the smallest chunk only at its own span
+    uncached = Scheduler(eng, max_running_requests=1, prefix_cache=False).programs.startup_keys(1)
+    assert ("chunk", 1, 128, 256) in uncached and ("chunk", 1, 64, 256) not in uncached
 
 
 def test_programs_calls_want_compile_first_and_past_the_list_budget(models, monkeypatch, caplog):  # noqa: F811
