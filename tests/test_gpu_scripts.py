@@ -1,7 +1,8 @@
 """The GPU round/graphs/HF job (`benchmarks/gpu/round_job.sh`) at toy size on the CPU, so that a GPU
 slice is never spent on a script that does not run: part 1, the round bisect over a packed past
 version and the working tree under two XLA flag sets, with launch counts from a trace; part 2,
-bench_plain.py's jaxspec against HF transformers on the random weights with SmolLM2's tokenizer."""
+bench_plain.py's jaxspec against HF transformers on the random weights with SmolLM2's tokenizer.
+The round programs' HLO is dumped and profiled, and the timed passes must compile nothing."""
 
 from __future__ import annotations
 
@@ -53,8 +54,13 @@ def test_round_job_runs_at_toy_size(tmp_path):
         for k in ("plain_T0", "plain_T1", "eagle3_T0", "eagle3_T1"):
             assert row[k]["ms_per_round"] > 0 and row[k]["tokens"] == 8
         assert row["plain_T0"]["accept"] == 1.0 and row["plain_trace"]["rounds"] == 8
-        assert "kernel_launch_calls" in row["eagle3_trace"] and "gpu_events" in row["eagle3_trace"]
+        assert "kernel_launch_calls" in row["eagle3_trace"] and "gpu_busy_us" in row["eagle3_trace"]
+        assert row["eagle3_T0"]["compiles_while_timed"] == 0, row["eagle3_T0"]["compiled_while_timed"]
+        # the dumped round program, profiled: one round loop of many kernels per iteration
+        rounds = [p for p in row["hlo"] if p["program"] in ("jit_spec_block", "jit_spec_decode")]
+        assert rounds and all(p["loops"] and p["loops"][-1]["kernels"] >= 100 for p in rounds), row["hlo"]
     assert "| HEAD | - |" in r.stdout and "kernel / graph launches / GPU events" in r.stdout
+    assert "programs compiled inside the timed passes" in r.stdout and "jit_spec_block:" in r.stdout
 
     env2 = {**env, "PROMPTS": "2", "NEW": "4", "HF": "eager static"}  # torch.compile's graphs need a GPU
     r = subprocess.run(["bash", JOB, "2"], env=env2, capture_output=True, text=True, timeout=900)

@@ -29,6 +29,7 @@ proposes random tokens, so rounds emit about one token: the figures are costs, n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -147,15 +148,26 @@ def launches(trace_dir: str) -> dict:
         for e in events
         if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in str(e.get("args", {}).get("name", ""))
     }
-    on_gpu = sum(1 for e in events if e.get("ph") == "X" and e.get("pid") in gpu)
+    on_gpu = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu]
     kernel = sum(n for k, n in names.items() if re.match(r"cu(da)?LaunchKernel", k))
     graph = sum(n for k, n in names.items() if re.search(r"Graph\w*Launch", k))
     native = collections.Counter({k: n for k, n in names.items() if not k.startswith("$")})  # "$": Python frames
+    busy: collections.Counter = collections.Counter()  # GPU time per kernel name (µs)
+    count: collections.Counter = collections.Counter()
+    for e in on_gpu:
+        busy[e.get("name", "")] += float(e.get("dur", 0))
+        count[e.get("name", "")] += 1
+    span = (max(e["ts"] + e.get("dur", 0) for e in on_gpu) - min(e["ts"] for e in on_gpu)) if on_gpu else 0.0
     return {
         "kernel_launch_calls": kernel,
         "graph_launch_calls": graph,
-        "gpu_events": on_gpu,
+        "gpu_events": len(on_gpu),
+        # the kernels' summed time against the span from the first to the last: where they are far
+        # apart, the GPU waits between kernels (launches, host round trips) rather than computes
+        "gpu_busy_us": round(sum(busy.values()), 1),
+        "gpu_span_us": round(float(span), 1),
         "top_events": native.most_common(12),
+        "top_gpu_time": [(k, count[k], round(us, 1)) for k, us in busy.most_common(15)],
     }
 
 
@@ -201,15 +213,20 @@ def time_here(
                 sp["seed"] = 0
             eng.generate(input_ids=ids[:1], sampling_params=sp)  # compile
             best = None
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                res = [eng.generate(input_ids=p, sampling_params=sp) for p in ids]
-                dt = time.perf_counter() - t0
+            with compiles() as seen:  # a program compiled (or loaded) inside the timed passes
+                times = [_timed(eng, ids, sp) for _ in range(repeats)]
+            for dt, res in times:
                 best = dt if best is None or dt < best else best
                 made = sum(r["meta_info"]["completion_tokens"] for r in res)
                 rounds = sum(r["meta_info"].get("spec_verify_ct") or r["meta_info"]["completion_tokens"] for r in res)
             out[f"{name}_T{temp:g}"] = dict(
-                seconds=best, tokens=made, rounds=rounds, ms_per_round=best / rounds * 1e3, accept=made / rounds
+                seconds=best,
+                tokens=made,
+                rounds=rounds,
+                ms_per_round=best / rounds * 1e3,
+                accept=made / rounds,
+                compiles_while_timed=len(seen),
+                compiled_while_timed=sorted(set(seen))[:8],
             )
         if trace:
             import jax
@@ -224,6 +241,80 @@ def time_here(
     for t in ("0", "1"):
         out[f"round_in_steps_T{t}"] = out[f"eagle3_T{t}"]["ms_per_round"] / out[f"plain_T{t}"]["ms_per_round"]
     return out
+
+
+# the decode and round programs, under their names at every packed version
+DUMPED = "jit_(decode|spec_decode|spec_block)"
+
+
+def hlo_summary(dump: str) -> list[dict]:
+    """Per program in an XLA dump (`hlo_profile.profile`): kernels outside loops, and per `while`
+    loop its kernels per iteration, trip count and bytes copied per iteration (a buffer XLA could
+    not update in place), with the command buffers, conditionals and sorts of the program."""
+    import collections
+    import glob
+    import re
+
+    from hlo_profile import profile
+
+    out = []
+    for path in sorted(glob.glob(os.path.join(dump, "*after_optimizations.txt"))):
+        name = os.path.basename(path)
+        if "buffer-assignment" in name or "memory-usage" in name:
+            continue
+        r = profile(path)
+        loops = [dict(kernels=k, trips=t, mb_copied=round(c / 1e6, 2)) for _, k, t, c in r["loops"] if k >= 20]
+        calls: collections.Counter = collections.Counter()  # custom calls by target (Pallas kernels by name)
+        with open(path) as f:
+            for line in f:
+                if " custom-call(" in line:
+                    target = re.search(r'custom_call_target="([^"]+)"', line)
+                    kernel = re.search(r'\\?"name\\?":\s*\\?"(\w+)', line)
+                    calls[(target.group(1) if target else "?") + (f":{kernel.group(1)}" if kernel else "")] += 1
+        out.append(
+            dict(
+                program=name.split(".")[1] if name.count(".") > 1 else name,
+                entry_kernels=r["entry_kernels"],
+                loops=loops,
+                command_buffers=r["command_buffers"],
+                conditional=r["conditional"],
+                sort=r["sort"],
+                custom_calls=dict(calls.most_common(8)),
+            )
+        )
+    return out
+
+
+def _timed(eng, ids: list, sp: dict) -> tuple[float, list]:
+    t0 = time.perf_counter()
+    res = [eng.generate(input_ids=p, sampling_params=sp) for p in ids]
+    return time.perf_counter() - t0, res
+
+
+@contextlib.contextmanager
+def compiles():
+    """Collects jax's compile log lines (`jax_log_compiles`) while the block runs: the programs
+    traced and compiled, or fetched from the persistent cache, inside a timed pass."""
+    import logging
+
+    import jax
+
+    seen: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            msg = record.getMessage()
+            if msg.startswith("Compiling "):  # once per program traced and compiled (or loaded from disk)
+                seen.append(msg.split(" with ")[0][len("Compiling ") :])
+
+    handler, log = Grab(), logging.getLogger("jax")
+    log.addHandler(handler)
+    jax.config.update("jax_log_compiles", True)
+    try:
+        yield seen
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        log.removeHandler(handler)
 
 
 def pack(commits: list[str], out: str) -> None:
@@ -289,6 +380,9 @@ def run(args) -> int:
             cmd += ["--prompts", str(args.prompts), "--repeats", str(args.repeats), "--shape", args.shape]
             if args.trace:
                 cmd += ["--trace", os.path.join(args.work, "traces", f"{name}-{len(rows)}")]
+            dump = os.path.join(args.work, "dumps", f"{name}-{len(rows)}")
+            if args.dump:
+                env["XLA_FLAGS"] += f" --xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_module_re={DUMPED}"
             t0 = time.monotonic()
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=args.work)
             row: dict = {"variant": name, "xla_flags": flags, "wall_s": round(time.monotonic() - t0, 1)}
@@ -297,6 +391,8 @@ def run(args) -> int:
                 row |= json.loads(last)
             else:
                 row["error"] = (p.stderr or p.stdout)[-1500:]
+            if args.dump:
+                row["hlo"] = hlo_summary(dump)
             rows.append(row)
             print(json.dumps(row), flush=True)
             with open(os.path.join(args.out, "round_bisect.json"), "w") as f:
@@ -314,10 +410,20 @@ def run(args) -> int:
             cells += [f"{r[f'plain_T{t}']['ms_per_round']:.3f}", f"{r[f'eagle3_T{t}']['ms_per_round']:.3f}"]
             cells.append(f"{r[f'round_in_steps_T{t}']:.2f}")
         print(f"| {r['variant']} | {r['xla_flags'] or '-'} | " + " | ".join(cells) + " |")
+    ok = [r for r in rows if "error" not in r]
+    if ok:
+        print()
+        print("programs compiled inside the timed passes (plain T=0, T=1, EAGLE-3 T=0, T=1):")
+        for r in ok:
+            k = [r[f"{e}_T{t}"].get("compiles_while_timed", "?") for e in ("plain", "eagle3") for t in ("0", "1")]
+            print(f"  {r['variant']} {r['xla_flags'] or '-'}: {k}")
     traced = [r for r in rows if "plain_trace" in r]
     if traced:
         print()
-        print("| variant | XLA flags | plain: kernel / graph launches / GPU events per step | EAGLE-3: per round |")
+        print(
+            "| variant | XLA flags | plain: kernel / graph launches / GPU events / GPU busy µs / GPU span µs per step "
+            "| EAGLE-3: per round |"
+        )
         print("|---|---|---|---|")
         for r in traced:
             cells = []
@@ -326,9 +432,18 @@ def run(args) -> int:
                 n = max(t["rounds"], 1)
                 cells.append(
                     f"{t.get('kernel_launch_calls', 0) / n:.1f} / {t.get('graph_launch_calls', 0) / n:.2f}"
-                    f" / {t.get('gpu_events', 0) / n:.0f}"
+                    f" / {t.get('gpu_events', 0) / n:.0f} / {t.get('gpu_busy_us', 0) / n:.0f}"
+                    f" / {t.get('gpu_span_us', 0) / n:.0f}"
                 )
             print(f"| {r['variant']} | {r['xla_flags'] or '-'} | " + " | ".join(cells) + " |")
+    for r in rows:
+        for prog in r.get("hlo", []):
+            loops = ", ".join(f"{x['kernels']} x {x['trips']} ({x['mb_copied']} MB copied)" for x in prog["loops"])
+            print(
+                f"  {r['variant']} {r['xla_flags'] or '-'} {prog['program']}: {prog['entry_kernels']} kernels outside "
+                f"loops; loops {loops or '-'}; command buffers {prog['command_buffers']}, conditionals "
+                f"{prog['conditional']}, sorts {prog['sort']}; custom calls {prog['custom_calls'] or '-'}"
+            )
     return 0 if rows and all("error" not in r for r in rows) else 1
 
 
@@ -354,6 +469,9 @@ def main(argv=None) -> int:
     r.add_argument("--budget", type=float, default=480, help="seconds after which no further variant starts")
     r.add_argument(
         "--trace", action="store_true", help="after timing, count kernel and CUDA-graph launches of one generate"
+    )
+    r.add_argument(
+        "--dump", action="store_true", help="dump each variant's decode and round programs and profile their HLO"
     )
     r.add_argument("--work", default="/tmp/round_bisect", help="scratch: weights and unpacked variants")
     r.add_argument("--out", default="/tmp/out")

@@ -6,11 +6,13 @@
 #   bash benchmarks/gpu/round_job.sh prepare   # dev machine, after make install: fills .gpu6
 #   bash benchmarks/gpu/round_job.sh 1         # carry .gpu6: round_bisect.py over the packed commits and
 #                                              #   HEAD, XLA's defaults against CUDA graphs over whole loops,
-#                                              #   launches per step / round from a trace (about 7 minutes)
+#                                              #   launches and GPU busy time per step / round from a trace,
+#                                              #   the round programs' HLO profiled (about 8 minutes)
 #   bash benchmarks/gpu/round_job.sh 2         # no carry: bench_plain.py on the random weights with the
 #                                              #   real tokenizer and MT-bench prompts: jaxspec (graphs on and
 #                                              #   off) against HF eager and torch.compile(reduce-overhead),
-#                                              #   float32 and bfloat16 (about 5 minutes)
+#                                              #   bfloat16 then float32 (about 5 minutes; DTYPES=bfloat16
+#                                              #   GRAPHS_AB=0 for the shortest run)
 #
 # Decoding speed does not depend on the weights' values (outputs are a fixed 128 tokens, EOS ignored),
 # so random weights give the real model's costs. Logs go to $OUT (default /tmp/out).
@@ -22,9 +24,10 @@ PY=${PY:-python3}
 mkdir -p "$OUT" $W
 export PYTHONPATH=$REPO:$REPO/benchmarks:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export JAXSPEC_MTBENCH_QUESTIONS=$W/question.jsonl
-# the 2026-11-22 run's version, the sampler rebuild, adaptive speculation, constrained decoding, the
-# 2026-11-24 run's version
-COMMITS=${COMMITS:-"e77d0b2 1f7f567 b0853d5 1222509 d98fb40 f9e55dc"}
+# the version before the round's cost doubled on the GPU (the 2026-11-28 bisect: b0853d5 2.13 ms a
+# round, 1222509 4.09 ms, HEAD 4.90 ms on an H200); COMMITS="e77d0b2 1f7f567 b0853d5 1222509 d98fb40
+# f9e55dc" is the whole history bisected then
+COMMITS=${COMMITS:-"b0853d5"}
 GRAPHS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
 SIZE=${SIZE:-smollm2}  # toy: a tiny model of the same layout (tests/test_gpu_scripts.py runs the job on a CPU)
 WEIGHTS=$W/round/weights-$SIZE
@@ -50,8 +53,8 @@ prepare)
   {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     cd "$REPO" && git log -1 --format='commit %h %s' 2>/dev/null
-    timeout 500 $PY benchmarks/gpu/round_bisect.py run --variants $W/variants --work $W/round --out "$OUT" \
-      --trace --budget 420 --size $SIZE ${BISECT_ARGS:-} --xla-flags "" --xla-flags="$GRAPHS"
+    timeout 540 $PY benchmarks/gpu/round_bisect.py run --variants $W/variants --work $W/round --out "$OUT" \
+      --trace --dump --budget 400 --size $SIZE ${BISECT_ARGS:-} --xla-flags "" --xla-flags="$GRAPHS"
   } 2>&1 | tee "$OUT/part1.log"
   ;;
 2)
@@ -59,11 +62,12 @@ prepare)
   cp $W/tokenizer/* $WEIGHTS/target/ || exit 1
   {
     cd "$REPO"
-    for dt in float32 bfloat16; do
-      echo "== $dt, jaxspec with CUDA graphs over loops (its GPU default), HF eager and compiled"
-      timeout 200 $PY benchmarks/bench_plain.py --model-path $WEIGHTS/target --prompts ${PROMPTS:-40} --new ${NEW:-128} --dtype $dt --hf ${HF:-eager compiled}
+    for dt in ${DTYPES:-bfloat16 float32}; do
+      echo "== $dt, jaxspec with CUDA graphs over loops (its GPU default), HF compiled and eager"
+      timeout 200 $PY benchmarks/bench_plain.py --model-path $WEIGHTS/target --prompts ${PROMPTS:-20} --new ${NEW:-128} --dtype $dt --hf ${HF:-compiled eager}
+      [ "${GRAPHS_AB:-1}" = 1 ] || continue
       echo "== $dt, jaxspec with XLA's defaults"
-      JAXSPEC_GPU_XLA_DEFAULTS=0 timeout 100 $PY benchmarks/bench_plain.py --model-path $WEIGHTS/target --prompts ${PROMPTS:-40} --new ${NEW:-128} --dtype $dt --skip-hf
+      JAXSPEC_GPU_XLA_DEFAULTS=0 timeout 100 $PY benchmarks/bench_plain.py --model-path $WEIGHTS/target --prompts ${PROMPTS:-20} --new ${NEW:-128} --dtype $dt --skip-hf
     done
   } 2>&1 | tee "$OUT/part2.log"
   ;;
