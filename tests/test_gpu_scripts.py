@@ -1,6 +1,6 @@
 """The GPU round/graphs/HF job (`benchmarks/gpu/round_job.sh`) at toy size on the CPU, so that a GPU
 slice is never spent on a script that does not run: part 1, the round bisect over a packed past
-version and the working tree under two XLA flag sets, with launch counts from a trace; part 2,
+version and the working tree under three XLA flag sets, with launch counts from a trace; part 2,
 bench_plain.py's jaxspec against HF transformers on the random weights with SmolLM2's tokenizer.
 The round programs' HLO is dumped and profiled, and the timed passes must compile nothing."""
 
@@ -47,8 +47,8 @@ def test_round_job_runs_at_toy_size(tmp_path):
     rows = json.loads((tmp_path / "out" / "round_bisect.json").read_text())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     versions = ["HEAD"] + (["e77d0b2"] if has_history else [])
-    graphs = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
-    assert [(row["variant"], row["xla_flags"]) for row in rows] == [(v, f) for f in ("", graphs) for v in versions]
+    flags = ("", "--xla_gpu_enable_command_buffer=", "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL")
+    assert [(row["variant"], row["xla_flags"]) for row in rows] == [(v, f) for f in flags for v in versions]
     for row in rows:
         assert "error" not in row, row.get("error")
         for k in ("plain_T0", "plain_T1", "eagle3_T0", "eagle3_T1"):

@@ -5,7 +5,8 @@
 #
 #   bash benchmarks/gpu/round_job.sh prepare   # dev machine, after make install: fills .gpu6
 #   bash benchmarks/gpu/round_job.sh 1         # carry .gpu6: round_bisect.py over the packed commits and
-#                                              #   HEAD, XLA's defaults against CUDA graphs over whole loops,
+#                                              #   HEAD, XLA's defaults, then no CUDA graphs, then graphs
+#                                              #   over whole loops (as many as --budget lets start),
 #                                              #   launches and GPU busy time per step / round from a trace,
 #                                              #   the round programs' HLO profiled (about 8 minutes)
 #   bash benchmarks/gpu/round_job.sh 2         # no carry: bench_plain.py on the random weights with the
@@ -29,6 +30,7 @@ export JAXSPEC_MTBENCH_QUESTIONS=$W/question.jsonl
 # f9e55dc" is the whole history bisected then
 COMMITS=${COMMITS:-"b0853d5"}
 GRAPHS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+NOGRAPHS="--xla_gpu_enable_command_buffer="  # no CUDA graphs at all: every kernel launched by the host
 SIZE=${SIZE:-smollm2}  # toy: a tiny model of the same layout (tests/test_gpu_scripts.py runs the job on a CPU)
 WEIGHTS=$W/round/weights-$SIZE
 
@@ -54,7 +56,7 @@ prepare)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     cd "$REPO" && git log -1 --format='commit %h %s' 2>/dev/null
     timeout 540 $PY benchmarks/gpu/round_bisect.py run --variants $W/variants --work $W/round --out "$OUT" \
-      --trace --dump --budget 400 --size $SIZE ${BISECT_ARGS:-} --xla-flags "" --xla-flags="$GRAPHS"
+      --trace --dump --budget 400 --size $SIZE ${BISECT_ARGS:-} --xla-flags "" --xla-flags="$NOGRAPHS" --xla-flags="$GRAPHS"
   } 2>&1 | tee "$OUT/part1.log"
   ;;
 2)
