@@ -58,7 +58,7 @@ from jaxspec.requests import (
 from jaxspec.sampling import GREEDY_EPS, SamplingParams, SamplingTensors, nth_sample, sampling_kind, split_n
 from jaxspec.sharding import check_heads, kv_sharding, make_mesh, replicate
 from jaxspec.speculative.adaptive import Adaptive, shape_label
-from jaxspec.speculative.loop import spec_block, spec_prefill_chunk, spec_start
+from jaxspec.speculative.loop import spec_block, spec_prefill_chunk, spec_run, spec_start
 from jaxspec.speculative.online import OnlineConfig, OnlineTrainer
 from jaxspec.speculative.online_process import OnlineProcess, wanted_process
 from jaxspec.speculative.proposers import Proposer
@@ -536,24 +536,12 @@ class Engine:
                 models, cache, dcache, prompt_d[:, sl], dprompt[:, sl], jnp.int32(c * chunk), lens_d, last_h, last_feat
             )
         stop_d = jnp.asarray(stop_arr)
-        state = spec_start(
-            models,
-            spec,
-            cache,
-            dcache,
-            last_h,
-            last_feat,
-            st,
-            max_new_d,
-            stop_d,
-            buf=buf,
-            sampled=sampled,
-            top_logprobs=top,
-        )
+        args = (models, spec, cache, dcache, last_h, last_feat, st, max_new_d, stop_d)
         used = None
-        if self.adaptive is None:
-            state = spec_block(models, spec, state, st, max_new_d, stop_d, rounds=0, sampled=sampled)
+        if self.adaptive is None:  # the first token and every round in one program
+            state = spec_run(*args, buf=buf, sampled=sampled, top_logprobs=top)
         else:
+            state = spec_start(*args, buf=buf, sampled=sampled, top_logprobs=top)
             adaptive = self._adaptive[bool(sampled)]
             state, rounds = self._adaptive_blocks(adaptive, models, state, st, max_new_d, stop_d, sampled, n)
             used = [{shape_label(c): int(k) for c, k in zip(adaptive.candidates, r)} for r in rounds]

@@ -57,10 +57,10 @@ def test_round_job_runs_at_toy_size(tmp_path):
         assert "kernel_launch_calls" in row["eagle3_trace"] and "gpu_busy_us" in row["eagle3_trace"]
         assert row["eagle3_T0"]["compiles_while_timed"] == 0, row["eagle3_T0"]["compiled_while_timed"]
         # the dumped round program, profiled: one round loop of many kernels per iteration
-        rounds = [p for p in row["hlo"] if p["program"] in ("jit_spec_block", "jit_spec_decode")]
+        rounds = [p for p in row["hlo"] if p["program"] in ("jit_spec_run", "jit_spec_block", "jit_spec_decode")]
         assert rounds and all(p["loops"] and p["loops"][-1]["kernels"] >= 100 for p in rounds), row["hlo"]
     assert "| HEAD | - |" in r.stdout and "kernel / graph launches / GPU events" in r.stdout
-    assert "programs compiled inside the timed passes" in r.stdout and "jit_spec_block:" in r.stdout
+    assert "programs compiled inside the timed passes" in r.stdout and "jit_spec_run:" in r.stdout
 
     env2 = {**env, "PROMPTS": "2", "NEW": "4", "HF": "eager static"}  # torch.compile's graphs need a GPU
     r = subprocess.run(["bash", JOB, "2"], env=env2, capture_output=True, text=True, timeout=900)

@@ -189,13 +189,13 @@ def test_round_has_no_vocab_sort_and_no_branch(models, monkeypatch, algo, draft,
 
     straight_line_sampler(monkeypatch)
 
-    real, hlo = engine_module.spec_block, []
+    real, hlo = engine_module.spec_run, []
 
     def spy(*args, **kwargs):
         hlo.append(real.lower(*args, **kwargs).compile().as_text())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "spec_block", spy)
+    monkeypatch.setattr(engine_module, "spec_run", spy)
     eng = engine(models, algo, draft, knobs)
     sp = [dict(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, max_new_tokens=4), dict(temperature=0.0)]
     eng.generate(input_ids=PROMPTS[:2], sampling_params=sp)

@@ -26,9 +26,11 @@ mkdir -p "$OUT" $W
 export PYTHONPATH=$REPO:$REPO/benchmarks:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export JAXSPEC_MTBENCH_QUESTIONS=$W/question.jsonl
 # the version before the round's cost doubled on the GPU (the 2026-11-28 bisect: b0853d5 2.13 ms a
-# round, 1222509 4.09 ms, HEAD 4.90 ms on an H200); COMMITS="e77d0b2 1f7f567 b0853d5 1222509 d98fb40
+# round, 1222509 4.09 ms, 09ec9c9 4.90 ms on an H200, after the first token and the rounds became two
+# programs), and 15358d8, the last version that ran them as two programs where adaptive speculation
+# is off (HEAD runs them as one, `spec_run`); COMMITS="e77d0b2 1f7f567 b0853d5 1222509 d98fb40
 # f9e55dc" is the whole history bisected then
-COMMITS=${COMMITS:-"b0853d5"}
+COMMITS=${COMMITS:-"b0853d5 15358d8"}
 GRAPHS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
 NOGRAPHS="--xla_gpu_enable_command_buffer="  # no CUDA graphs at all: every kernel launched by the host
 SIZE=${SIZE:-smollm2}  # toy: a tiny model of the same layout (tests/test_gpu_scripts.py runs the job on a CPU)

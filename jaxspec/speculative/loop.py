@@ -9,9 +9,9 @@ One round (all static shapes; B slots, N tree nodes, D = num_steps):
 Slots that finished keep running rounds as padding (their lengths do not move) until all are done.
 
 `spec_start` samples the first token and starts the draft; `spec_block` runs rounds of one tree
-shape (or plain steps: speculation off) on that state. The offline engine runs one block until
-every request is done, or, with adaptive speculation, blocks of a few rounds with the shape
-chosen between them (speculative/adaptive.py).
+shape (or plain steps: speculation off) on that state. With adaptive speculation the offline
+engine runs blocks of a few rounds with the shape chosen between them (speculative/adaptive.py);
+without it, `spec_run`: both in one program, every round until every request is done.
 """
 
 from __future__ import annotations
@@ -444,3 +444,29 @@ def spec_block(
         (jnp.int32(0), state),
     )
     return state
+
+
+@functools.partial(
+    jax.jit, static_argnames=("spec", "buf", "sampled", "top_logprobs"), donate_argnames=("cache", "dcache")
+)
+def spec_run(
+    models: Models,
+    spec: SpecConfig,
+    cache: KVCache,
+    dcache: KVCache,
+    last_h,
+    last_feat,
+    st: SamplingTensors,
+    max_new_tokens,
+    stop_ids,
+    buf: int,
+    sampled: bool | str = True,
+    top_logprobs: int | None = None,
+) -> SpecState:
+    """`spec_start`, then `spec_block`'s rounds until every slot is done, as one program: one
+    dispatch per batch, and the state never crosses a program boundary (arguments as
+    `spec_start`'s)."""
+    state = spec_start.__wrapped__(
+        models, spec, cache, dcache, last_h, last_feat, st, max_new_tokens, stop_ids, buf, sampled, top_logprobs
+    )
+    return spec_block.__wrapped__(models, spec, state, st, max_new_tokens, stop_ids, 0, sampled)
