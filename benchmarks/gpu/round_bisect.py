@@ -144,11 +144,13 @@ def launches(trace_dir: str) -> dict:
     events = data["traceEvents"] if isinstance(data, dict) else data
     names = collections.Counter(e.get("name", "") for e in events if e.get("ph") == "X")
     gpu = {
-        e.get("pid")
+        e.get("pid"): str(e.get("args", {}).get("name", ""))
         for e in events
         if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in str(e.get("args", {}).get("name", ""))
     }
     on_gpu = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu]
+    # per GPU timeline (a kernel reported on two timelines would count twice in gpu_events)
+    timelines = collections.Counter(gpu[e["pid"]] for e in on_gpu)
     kernel = sum(n for k, n in names.items() if re.match(r"cu(da)?LaunchKernel", k))
     graph = sum(n for k, n in names.items() if re.search(r"Graph\w*Launch", k))
     native = collections.Counter({k: n for k, n in names.items() if not k.startswith("$")})  # "$": Python frames
@@ -168,6 +170,7 @@ def launches(trace_dir: str) -> dict:
         "gpu_span_us": round(float(span), 1),
         "top_events": native.most_common(12),
         "top_gpu_time": [(k, count[k], round(us, 1)) for k, us in busy.most_common(15)],
+        "gpu_timelines": dict(timelines.most_common(6)),
     }
 
 
