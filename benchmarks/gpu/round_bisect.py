@@ -247,7 +247,7 @@ def time_here(
 
 
 # the decode and round programs, under their names at every packed version
-DUMPED = "jit_(decode|spec_decode|spec_block|spec_run)"
+DUMPED = "jit_(decode|spec_decode|spec_block|spec_run|run_block)"
 
 
 def hlo_summary(dump: str) -> list[dict]:

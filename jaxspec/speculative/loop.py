@@ -9,7 +9,7 @@ One round (all static shapes; B slots, N tree nodes, D = num_steps):
 Slots that finished keep running rounds as padding (their lengths do not move) until all are done.
 
 `spec_start` samples the first token and starts the draft; `spec_block` runs rounds of one tree
-shape (or plain steps: speculation off) on that state. With adaptive speculation the offline
+shape (or plain steps: speculation off) on that state (the jitted `start_state` and `run_block`). With adaptive speculation the offline
 engine runs blocks of a few rounds with the shape chosen between them (speculative/adaptive.py);
 without it, `spec_run`: both in one program, every round until every request is done.
 """
@@ -283,10 +283,7 @@ def _plain_slots(tgt, h, acc: Accepted, plain, st: SamplingTensors, state: SpecS
     )
 
 
-@functools.partial(
-    jax.jit, static_argnames=("spec", "buf", "sampled", "top_logprobs"), donate_argnames=("cache", "dcache")
-)
-def spec_start(
+def start_state(
     models: Models,
     spec: SpecConfig,
     cache: KVCache,
@@ -339,6 +336,11 @@ def spec_start(
         dparams, tgt, state.draft, first[:, None], feats, jnp.ones((b,), jnp.int32), jnp.ones((b,), bool)
     )
     return dataclasses.replace(state, draft=dstate)
+
+
+spec_start = jax.jit(
+    start_state, static_argnames=("spec", "buf", "sampled", "top_logprobs"), donate_argnames=("cache", "dcache")
+)
 
 
 def plain_steps(
@@ -413,8 +415,7 @@ def _feature_shapes(tgt, prop: Proposer, b: int):
     return h, cap
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "rounds", "sampled"), donate_argnames=("state",))
-def spec_block(
+def run_block(
     models: Models,
     spec: SpecConfig | None,
     state: SpecState,
@@ -446,6 +447,9 @@ def spec_block(
     return state
 
 
+spec_block = jax.jit(run_block, static_argnames=("spec", "rounds", "sampled"), donate_argnames=("state",))
+
+
 @functools.partial(
     jax.jit, static_argnames=("spec", "buf", "sampled", "top_logprobs"), donate_argnames=("cache", "dcache")
 )
@@ -466,7 +470,7 @@ def spec_run(
     """`spec_start`, then `spec_block`'s rounds until every slot is done, as one program: one
     dispatch per batch, and the state never crosses a program boundary (arguments as
     `spec_start`'s)."""
-    state = spec_start.__wrapped__(
+    state = start_state(
         models, spec, cache, dcache, last_h, last_feat, st, max_new_tokens, stop_ids, buf, sampled, top_logprobs
     )
-    return spec_block.__wrapped__(models, spec, state, st, max_new_tokens, stop_ids, 0, sampled)
+    return run_block(models, spec, state, st, max_new_tokens, stop_ids, 0, sampled)
