@@ -8,7 +8,7 @@ library version packed beside it, and for each XLA flag set, in one process per 
     # dev machine: pack the library as it was at some commits (git archive, shipped drafts left out)
     python benchmarks/gpu/round_bisect.py pack --out .gpu6 e77d0b2 b0853d5 1222509 f9e55dc
     # GPU machine, one call (carry .gpu6): the working tree's library is the variant "HEAD"
-    python benchmarks/gpu/round_bisect.py run --variants .gpu6 --trace \
+    python benchmarks/gpu/round_bisect.py run --variants .gpu6 --trace --dump \
         --xla-flags "" --xla-flags="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" --out $OUT
 
 Every variant runs with exactly the XLA flags given ("": XLA's defaults; jaxspec's own GPU defaults,
@@ -16,7 +16,12 @@ jaxspec/xla_flags.py, are switched off in the subprocess), so versions compare a
 
 `--trace` also counts, after the timing, the CUDA kernel-launch and graph-launch calls of one greedy
 `generate` per engine in a jax.profiler trace (per plain step and per round): whether a dispatch
-replays as CUDA graphs. Each variant (a commit and a flag set) runs `time` in a fresh subprocess: batch 1, random prompts,
+replays as CUDA graphs, and how much of the kernels' span the GPU is busy. `--dump` has XLA dump
+each variant's decode and round programs and profiles them (`hlo_profile.py`: kernels per loop
+iteration, bytes copied per iteration, command buffers, custom calls). Every timed pass records the
+programs compiled inside it, which should be none.
+
+Each variant (a commit and a flag set) runs `time` in a fresh subprocess: batch 1, random prompts,
 greedy and sampled (T = 1), ignore_eos, the first `generate` compiling and the next ones timed.
 Reported per variant: ms per plain step, ms per round at (5, 4, 8), the round in plain steps, and
 the accept length (near 1 with a random head; the round's cost hardly depends on it). A random head
