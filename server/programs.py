@@ -222,16 +222,17 @@ class Programs:
         (where a busy server turns speculation off). With prefix caching, the prefix copy.
         At the short spans (chat prompts) a prompt is prefilled by its own chunk, not by the span's
         largest: each chunk size longer than the span below, and with prefix caching the smallest
-        (a cached prompt's tail). Through the largest, a 65-128-token prompt took 200 ms to its first dispatch
-        instead of 70, in a server whose background compiles had stopped before compiling its own."""
+        (a cached prompt's tail). Through the largest, a 65-128-token prompt took 200 ms to its
+        first dispatch instead of 70, in a server whose background compiles had stopped before
+        compiling its own."""
         s = self.sched
         spans = self.spans()
         short = [x for x in spans if x <= 512] or spans[:1]
         keys: list[tuple] = [("finish", 1)]
         keys += [("chunk", 1, self.chunk_for(x), x) for x in spans]
         sizes = self.chunk_sizes()
+        tail = sizes[0] if s.cache.enabled else None
         for below, x in zip([0, *short], short):
-            tail = sizes[0] if s.cache.enabled else None
             keys += [("chunk", 1, c, x) for c in sizes if c <= self.chunk_for(x) and (c > below or c == tail)]
         if s.cache.enabled:
             keys.append(("copy",))

@@ -245,6 +245,24 @@ def test_the_server_tries_plain_steps_again_while_the_tree_runs():
     assert {shape_label(c.choose(1, acc, one)) for _ in range(3 * EXPLORE_MAX)} == {"2/1/3"}
 
 
+def test_a_trial_starting_leaves_the_chosen_candidate_s_count_at_zero():
+    """The choice that starts a trial of an earlier candidate (here the configured tree, while the
+    shallower shape is chosen) counts blocks for the candidates not chosen only: the chosen one,
+    later in the candidates' order, stays at zero blocks since it ran."""
+    sig = ("sig",)
+    acc = np.array([[[200, 120], [120, 60]]], float)
+    one = np.array([True])
+    a = Adaptive(SPEC, margin=SERVER_MARGIN, rounds=2, retry_all=True)
+    a.compiled.add(sig)
+    for t in range(4):  # 1/1/2 at 20 ms a round, the tree and plain steps at 40
+        a.observe_cost(None, 1, 0.08, 2, sig, at=t * 0.1)
+        a.observe_cost(a.candidates[1], 1, 0.04, 2, sig, at=t * 0.1)
+        a.observe_cost(SPEC, 1, 0.08, 2, sig, at=t * 0.1)
+    picks = [shape_label(a.choose(1, acc, one)) for _ in range(EXPLORE_MIN + 1)]
+    assert picks == ["1/1/2"] * EXPLORE_MIN + ["2/1/3"]  # the tree's trial is due first
+    assert a.trial == "2/1/3" and a.since_explore["1/1/2"] == 0
+
+
 def test_the_server_weighs_the_prior_more_than_a_request_s_first_rounds():
     """A request whose first rounds accepted less than earlier requests did: offline its own rounds
     soon outweigh the prior and plain steps run; the server (SERVER_PRIOR_ROUNDS) keeps the tree,

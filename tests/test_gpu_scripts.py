@@ -54,7 +54,8 @@ def test_round_job_runs_at_toy_size(tmp_path):
         for k in ("plain_T0", "plain_T1", "eagle3_T0", "eagle3_T1"):
             assert row[k]["ms_per_round"] > 0 and row[k]["tokens"] == 8
         assert row["plain_T0"]["accept"] == 1.0 and row["plain_trace"]["rounds"] == 8
-        assert "kernel_launch_calls" in row["eagle3_trace"] and "gpu_busy_us" in row["eagle3_trace"]
+        assert "kernel_launch_calls" in row["eagle3_trace"] and "gpu_events" in row["eagle3_trace"]
+        assert "gpu_busy_us" in row["eagle3_trace"] and "gpu_timelines" in row["eagle3_trace"]
         assert row["eagle3_T0"]["compiles_while_timed"] == 0, row["eagle3_T0"]["compiled_while_timed"]
         # the dumped round program, profiled: one round loop of many kernels per iteration
         rounds = [p for p in row["hlo"] if p["program"] in ("jit_spec_run", "jit_spec_block", "jit_spec_decode")]

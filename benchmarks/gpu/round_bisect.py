@@ -268,8 +268,6 @@ def hlo_summary(dump: str) -> list[dict]:
     out = []
     for path in sorted(glob.glob(os.path.join(dump, "*after_optimizations.txt"))):
         name = os.path.basename(path)
-        if "buffer-assignment" in name or "memory-usage" in name:
-            continue
         r = profile(path)
         loops = [dict(kernels=k, trips=t, mb_copied=round(c / 1e6, 2)) for _, k, t, c in r["loops"] if k >= 20]
         calls: collections.Counter = collections.Counter()  # custom calls by target (Pallas kernels by name)

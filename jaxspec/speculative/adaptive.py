@@ -229,6 +229,7 @@ class Adaptive:
             self.explore_gap[self.trial] = min(2 * self.explore_gap.get(self.trial, EXPLORE_MIN), EXPLORE_MAX)
         self.trial, self.trial_left = None, 0
         self.since_explore[shape_label(pick)], self.explore_gap[shape_label(pick)] = 0, EXPLORE_MIN
+        run = pick  # the chosen candidate, or one whose trial starts now
         for c in cands:
             label = shape_label(c)
             if c is pick or not (c is self.spec or self.retry_all):
@@ -237,8 +238,8 @@ class Adaptive:
             if self.trial is None and self.since_explore[label] > self.explore_gap.get(label, EXPLORE_MIN):
                 self.since_explore[label], self.trial = 0, label
                 self.trial_left = -(-TRIAL_ROUNDS // max(self.rounds, 1)) - 1
-                pick = c
-        return pick
+                run = c
+        return run
 
     def plain_wins(self, best: float, plain: float) -> bool:
         """Whether plain steps (expected tokens/s `plain`) run rather than the best tree shape

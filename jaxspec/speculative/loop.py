@@ -9,9 +9,10 @@ One round (all static shapes; B slots, N tree nodes, D = num_steps):
 Slots that finished keep running rounds as padding (their lengths do not move) until all are done.
 
 `spec_start` samples the first token and starts the draft; `spec_block` runs rounds of one tree
-shape (or plain steps: speculation off) on that state (the jitted `start_state` and `run_block`). With adaptive speculation the offline
-engine runs blocks of a few rounds with the shape chosen between them (speculative/adaptive.py);
-without it, `spec_run`: both in one program, every round until every request is done.
+shape (or plain steps: speculation off) on that state (the jitted `start_state` and `run_block`).
+With adaptive speculation the offline engine runs blocks of a few rounds with the shape chosen
+between them (speculative/adaptive.py); without it, `spec_run`: both in one program, every round
+until every request is done.
 """
 
 from __future__ import annotations
