@@ -7,12 +7,15 @@ server as it is and once with --speculative-online-train. Per run it reports the
 over the whole stream, and whether the outputs of the two runs are identical. The domains
 (--domain): code, HumanEval's 164 function stubs, each under a few instructions (complete, explain,
 test, simplify: 656 in all, shuffled, cut to --prompts); support, distinct customer messages to the
-support bot of a made-up hosting company, under the bot's system prompt. With online training
+support bot of a made-up hosting company, under the bot's system prompt; orders, distinct order
+emails to a made-up parts supplier, each answered as one JSON object in fixed keys after one worked
+example (an extraction API's traffic). With online training
 the adapted head is saved (POST /save_draft) and a third server, started from it without online
 training, serves the last window again.
 
     python benchmarks/bench_online_train.py --prompts 600 --concurrency 4 --window 200
     python benchmarks/bench_online_train.py --domain support --prompts 600 --window 200 --max-tokens 48
+    python benchmarks/bench_online_train.py --domain orders --prompts 600 --window 200 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -144,6 +147,83 @@ def support_prompts(n: int, seed: int = 0) -> list[str]:
     return out
 
 
+# A made-up parts supplier's order intake: free-text order emails in, one JSON object out, in the
+# same keys every time (the shape of an extraction API's traffic, which no draft was trained on). The
+# target follows the format from one worked example (a system prompt alone gets prose from it).
+ORDERS_HEAD = [
+    {"role": "system", "content": "You turn order emails into JSON. Reply with the JSON object only."},
+    {
+        "role": "user",
+        "content": "Hi, Dana from Corvid Tools here. Please ship 300 pieces of hex nuts M6 (BW-1296) to Oslo by "
+        "May 3. Rush please.",
+    },
+    {
+        "role": "assistant",
+        "content": '{\n "customer": "Corvid Tools",\n "part_number": "BW-1296",\n "part": "hex nuts M6",\n '
+        '"quantity": 300,\n "unit": "pieces",\n "ship_to": "Oslo",\n "deliver_by": "May 3",\n "rush": true\n}',
+    },
+]
+COMPANIES = [
+    "Halden Marine",
+    "Ortega Build Co",
+    "Pinecrest Robotics",
+    "Vantor Rail",
+    "Kessler Farms",
+    "Lumo Solar",
+    "Greyfield Cabinets",
+    "Atlas Scaffolding",
+    "Norby Bikes",
+    "Tamsin Aero",
+]
+PARTS = [
+    "hex bolts M8x40",
+    "stainless wood screws 4x30",
+    "nylon lock nuts M10",
+    "flat washers M12",
+    "anchor bolts M16x120",
+    "self-tapping screws 3.5x25",
+    "threaded rod M10 1m",
+    "rivets 4.8x12",
+    "spring washers M6",
+    "carriage bolts M8x60",
+]
+CITIES = ["Rotterdam", "Leeds", "Lyon", "Gdansk", "Porto", "Aarhus", "Graz", "Bilbao", "Tampere", "Cork"]
+ORDER_TEXTS = [
+    "Hi, this is {who} from {co}. We need {n} {unit} of {part} ({pn}) shipped to {city}{by}.{rush}",
+    "Order from {co}: {pn}, {part}, qty {n} {unit}. Deliver to our {city} site{by}.{rush} Thanks, {who}",
+    "Hello Brackwell,\nplease send {n} {unit} of your {part} (part {pn}) to {city}{by}.{rush}\n{who}, {co}",
+    "{co} purchasing here.{rush} Can you ship {n} {unit} of {pn} ({part}) to {city}{by}?",
+    "Re: reorder. Same as last time but {n} {unit}: {part}, {pn}. Ship to {city}{by}. - {who} at {co}",
+]
+PEOPLE = ["Ana", "Tom", "Priya", "Lars", "Mei", "Jonas", "Fatima", "Eoin", "Sofia", "Ravi"]
+RUSH = ["", "", " This is urgent, our line is down.", " Please rush this one.", " No hurry."]
+
+
+def orders_prompts(n: int, seed: int = 0) -> list[str]:
+    """n distinct order emails to a made-up parts supplier (answered as JSON after ORDERS_HEAD)."""
+    rng = random.Random(seed)
+    seen, out = set(), []
+    while len(out) < n:
+        i = rng.randrange(len(PARTS))
+        day = rng.choice(["", f" by {rng.choice(['March', 'April', 'May', 'June'])} {rng.randrange(1, 29)}"])
+        text = rng.choice(ORDER_TEXTS).format(
+            who=rng.choice(PEOPLE), co=rng.choice(COMPANIES), n=rng.choice([50, 100, 200, 250, 500, 1000, 12, 40]),
+            unit=rng.choice(["pieces", "boxes"]), part=PARTS[i], pn=f"BW-{1000 + 37 * i}", city=rng.choice(CITIES),
+            by=day, rush=rng.choice(RUSH),
+        )  # fmt: skip
+        if text not in seen:
+            seen.add(text)
+            out.append(text)
+    return out
+
+
+DOMAINS = {  # name -> (prompts(n), the messages before each prompt)
+    "code": (code_prompts, []),
+    "support": (support_prompts, [{"role": "system", "content": SYSTEM}]),
+    "orders": (orders_prompts, ORDERS_HEAD),
+}
+
+
 def serve(flags: str) -> tuple[subprocess.Popen, Client]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -163,9 +243,9 @@ def serve(flags: str) -> tuple[subprocess.Popen, Client]:
 
 
 def stream(
-    cl: Client, prompts: list[str], concurrency: int, max_tokens: int, system: str | None = None
+    cl: Client, prompts: list[str], concurrency: int, max_tokens: int, head: list[dict] | None = None
 ) -> tuple[list[dict], float]:
-    head = [{"role": "system", "content": system}] if system else []
+    head = head or []
 
     def one(p: str) -> dict:
         body = {"messages": [*head, {"role": "user", "content": p}], "max_tokens": max_tokens, "temperature": 0}
@@ -194,10 +274,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--domain",
-        choices=("code", "support"),
+        choices=tuple(DOMAINS),
         default="code",
         help="code: HumanEval stubs under four instructions; support: customer messages to a made-up "
-        "hosting company's support bot, under its system prompt",
+        "hosting company's support bot, under its system prompt; orders: order emails to a made-up parts "
+        "supplier, answered as JSON after one worked example",
     )
     ap.add_argument("--prompts", type=int, default=600)
     ap.add_argument("--window", type=int, default=200, help="requests in the first and the last window")
@@ -212,8 +293,8 @@ def main() -> int:
     ap.add_argument("--online-args", default="", help="further flags of the online-training server")
     ap.add_argument("--online-only", action="store_true", help="skip the run without online training (a pilot)")
     args = ap.parse_args()
-    prompts = code_prompts(args.prompts) if args.domain == "code" else support_prompts(args.prompts)
-    system = SYSTEM if args.domain == "support" else None
+    make, head = DOMAINS[args.domain]
+    prompts = make(args.prompts)
     w = min(args.window, len(prompts) // 2)
     print(
         machine(),
@@ -226,7 +307,7 @@ def main() -> int:
     for name, extra in runs[1:] if args.online_only else runs:
         proc, cl = serve(f"{args.serve_args} {extra}")
         try:
-            rows, wall = stream(cl, prompts, args.concurrency, args.max_tokens, system)
+            rows, wall = stream(cl, prompts, args.concurrency, args.max_tokens, head)
             info = cl.call("GET", "/get_server_info")[1]
             if name == "online":
                 status, out = cl.call("POST", "/save_draft", {"path": saved})
@@ -255,7 +336,7 @@ def main() -> int:
         print(f"identical outputs: {same}/{len(prompts)}", flush=True)
     proc, cl = serve(f"{args.serve_args} --speculative-draft-model-path {saved}")
     try:
-        rows, wall = stream(cl, prompts[-w:], args.concurrency, args.max_tokens, system)
+        rows, wall = stream(cl, prompts[-w:], args.concurrency, args.max_tokens, head)
     finally:
         proc.terminate()
         proc.wait(60)
