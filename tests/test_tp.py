@@ -35,7 +35,8 @@ def child(*args, devices: int = 4) -> subprocess.Popen:
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        # the suite's own flags (tests/conftest.py) and the devices
+        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip(),
         JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
     )  # cross-process CPU collectives (GPUs use NCCL)
     return subprocess.Popen(
