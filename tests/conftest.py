@@ -11,6 +11,8 @@ import tempfile
 import numpy as np
 import pytest
 
+from jaxspec.xla_flags import has_cuda_plugin
+
 from helpers import FAMILIES, make_hf_model
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -18,9 +20,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # compiles a quarter faster (tests/test_speculative.py: 99 s against 131 s, AMD EPYC, 2 cores); the
 # XLA programs (their HLO, which tests read) are the same, and the tests' models are tiny, so the
 # slower kernels cost little. Set before JAX starts its backend; subprocesses inherit it. A level
-# the caller set is kept.
+# the caller set is kept, and a machine with JAX's CUDA plugin (GPU tests) keeps XLA's default.
 _OPT = "--xla_backend_optimization_level"
-if _OPT not in os.environ.get("XLA_FLAGS", ""):
+if _OPT not in os.environ.get("XLA_FLAGS", "") and not has_cuda_plugin():
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_OPT}=0".strip()
 # A persistent compilation cache private to this run (hermetic: it starts empty and is removed at
 # exit). Many tests start engines and servers over the same tiny models, and programs dropped to
