@@ -31,12 +31,16 @@ GREEDY = dict(temperature=0, max_new_tokens=16, ignore_eos=True)
 KNOBS = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6)
 
 
+def xla_flags(devices: int) -> str:
+    """The suite's own XLA_FLAGS (tests/conftest.py) and `devices` host devices."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+
+
 def child(*args, devices: int = 4) -> subprocess.Popen:
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        # the suite's own flags (tests/conftest.py) and the devices
-        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip(),
+        XLA_FLAGS=xla_flags(devices),
         JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
     )  # cross-process CPU collectives (GPUs use NCCL)
     return subprocess.Popen(
@@ -206,7 +210,7 @@ def test_serve_two_hosts(model_dirs):  # noqa: F811
         addr, port = f"127.0.0.1:{free_port() - 1}", free_port()
         common = ["--model-path", model_dirs["target"], "--context-length", "512", "--tp-size", "2", "--nnodes", "2"]
         common += ["--dist-init-addr", addr, "--disable-background-compile", *flags]
-        env = dict(JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+        env = dict(JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", XLA_FLAGS=xla_flags(1))
         nodes = [serve_process(["--node-rank", str(r), *common], port + r, **env) for r in (0, 1)]
         try:
             wait_ready(nodes, port, timeout=600)
