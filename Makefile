@@ -7,7 +7,12 @@ PYTEST_ARGS ?=
 # one process does on one core at a time (17.4 min serial against 13.3 with two, AMD EPYC, 2 cores)
 TEST_WORKERS ?= 2
 
-.PHONY: install test test-all lint format serve chat bench clean
+# JAX's CUDA plugin at jaxlib's own version, beside the venv rather than in it (a CUDA plugin in the
+# venv makes every CPU-only start of JAX look for a GPU): benchmarks/gpu/gpu_programs.py and the kernel
+# budget test compile the GPU's programs with it on any machine (no GPU, no CUDA libraries)
+GPU_COMPILE := .gpu-compile
+
+.PHONY: install gpu-compile gpu-programs test test-all lint format serve chat bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -22,7 +27,18 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
-test: install  ## the CPU test suite CI runs (under 15 minutes on 2 cores): everything but the tests marked slow
+$(GPU_COMPILE)/.stamp: $(STAMP)
+	rm -rf $(GPU_COMPILE)
+	v=$$($(PY) -c 'import jaxlib; print(jaxlib.__version__)') && \
+	  $(PY) -m pip install -q --no-deps --target $(GPU_COMPILE) jax-cuda12-plugin==$$v jax-cuda12-pjrt==$$v
+	touch $@
+
+gpu-compile: $(GPU_COMPILE)/.stamp  ## JAX's CUDA plugin for compiling the GPU's programs on this machine (~480 MB)
+
+gpu-programs: gpu-compile  ## kernels per step and per round of the GPU's programs, compiled for an H100 here
+	$(PY) benchmarks/gpu/gpu_programs.py $(GPU_PROGRAMS_ARGS)
+
+test: install gpu-compile  ## the CPU test suite CI runs (under 15 minutes on 2 cores): everything but the tests marked slow
 	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-all: install  ## every test, the slow end-to-end checks included (about an hour on 2 cores)
@@ -42,15 +58,18 @@ format: install  ## apply ruff's fixes and formatting
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+GPU_PROGRAMS_ARGS ?=
 SERVE_ARGS ?=
-serve: install  ## OpenAI-compatible server on http://127.0.0.1:30000: the default model + its shipped EAGLE-3 draft
+# On a CPU the default model's GGUF runs as stored (Q4_1 blocks, --quantization gguf, no draft): the fastest way to
+# run it there. SERVE_ARGS="--dtype float32" reads it as float32 (HF transformers' tokens) with its EAGLE-3 draft.
+serve: install  ## OpenAI-compatible server on http://127.0.0.1:30000: the default model (on a CPU: its GGUF as stored)
 	$(VENV)/bin/jaxspec serve $(SERVE_ARGS)
 
-chat: install  ## an interactive terminal chat on the default model (no server)
+chat: install  ## an interactive terminal chat on the default model (no server; the same default as serve)
 	$(VENV)/bin/jaxspec generate --interactive --max-new-tokens 256
 
 bench: install  ## plain decode: jaxspec vs HF transformers, batch 1, MT-bench prompts
 	$(PY) benchmarks/bench_plain.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(GPU_COMPILE) *.egg-info .pytest_cache

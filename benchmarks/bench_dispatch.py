@@ -106,6 +106,7 @@ def main():
     kw = dict(
         show_progress=False,
         model_path=args.model_path,
+        dtype="float32",  # the float32 model, whose default is the shipped draft (a GGUF's CPU default, gguf, has none)
         context_length=args.context_length,
         _out_major=not args.in_major,
     )

@@ -59,6 +59,7 @@ def decode_kernels(quantization: str | None, tokens: int) -> tuple[collections.C
         eng = jaxspec.Engine(
             speculative_algorithm="NONE",
             show_progress=False,
+            dtype="float32",  # quantization None: float32 (not the CPU's gguf default)
             context_length=1024,
             max_running_requests=1,
             quantization=quantization,

@@ -146,7 +146,7 @@ def main():
     gg16 = jaxspec_runs(eng, ids, args.new, ll16[0])
     gg32 = jaxspec_runs(eng, ids, args.new, ll32[0])
     del eng
-    eng = jaxspec.Engine(show_progress=False, speculative_algorithm="NONE")
+    eng = jaxspec.Engine(show_progress=False, dtype="float32", speculative_algorithm="NONE")
     jaxspec_runs(eng, ids[:1], args.new, None)
     f32 = jaxspec_runs(eng, ids, args.new, None)
 

@@ -32,6 +32,8 @@ def main():
     ap.add_argument("--hf", nargs="+", default=["eager"], choices=["eager", "static", "compiled"], help="HF modes")
     add_arguments(ap, ModelArgs, title="model", only=("model_path", "dtype"))
     args = ap.parse_args()
+    if args.dtype == "auto":  # float32, HF transformers' reference, rather than the CPU's gguf default
+        args.dtype = "float32"
 
     import jaxspec
 

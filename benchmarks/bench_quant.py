@@ -14,7 +14,9 @@ float32 activations), w8a8 (`w8a8_int8`: int8 weights and per-token int8 activat
 matmuls), int8+draft / w8a8+draft (the quantized target with the shipped EAGLE-3 draft, quantized
 the same way, static at its tree shape), w8a8+adaptive (the same with adaptive speculation on, as
 `jaxspec serve` runs the shipped draft by default), int8+draft-unquant (the draft left in float32),
-f32+draft (the reference for those).
+f32+draft (the reference for those), f32+adaptive (float32 with the shipped draft and adaptive
+speculation, the CPU default before GGUF files ran at their own quantization). The float
+configurations ask for float32 by name: a GGUF on the CPU runs as `gguf` unless --dtype says otherwise.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ CONFIGS = {
     "int8": dict(quantization="int8"),
     "fp8": dict(quantization="fp8"),
     "w8a8": dict(quantization="w8a8_int8"),
-    "f32+draft": dict(speculative_algorithm="EAGLE3", speculative_adaptive=False),
+    "f32+draft": dict(dtype="float32", speculative_algorithm="EAGLE3", speculative_adaptive=False),
+    "f32+adaptive": dict(dtype="float32", speculative_algorithm="EAGLE3"),
     "int8+draft": dict(quantization="int8", speculative_algorithm="EAGLE3", speculative_adaptive=False),
     "int8+draft-unquant": dict(
         quantization="int8",

@@ -108,6 +108,7 @@ def main() -> None:
     common = ["--context-length", str(args.context_length), "--max-running-requests", str(args.concurrency)]
     common += ["--model-path", args.model_path] if args.model_path else []
     common += ["--cuda-graph-max-bs", str(args.concurrency), "--log-level", "warning"]
+    common += ["--dtype", "float32"]  # the float32 model, whose default is the shipped draft (gguf's is plain)
     rows = []
     for mode in args.modes:
         for label, extra, cores in (("1 replica x 1 core", [], {0}), ("2 replicas x 1 core", ["--dp-size", "2"], None)):

@@ -33,7 +33,7 @@ from common import BENCH_CONTEXT, add_model_arguments, machine, mtbench_first_tu
 
 MODES = {
     "plain": ["--speculative-algorithm", "NONE"],
-    "eagle3": [],  # the default: the shipped EAGLE-3 head, adaptive speculation, overlap on
+    "eagle3": [],  # the float32 model's default: the shipped EAGLE-3 head, adaptive speculation, overlap on
     "eagle3-static": ["--no-speculative-adaptive"],  # its tree shape every round
     "eagle3-no-overlap": ["--disable-overlap-schedule"],
     "plain-no-overlap": ["--speculative-algorithm", "NONE", "--disable-overlap-schedule"],
@@ -65,6 +65,7 @@ def start_server(extra, port, args):
         "--cuda-graph-max-bs",
         str(max(args.concurrency)),
         *(["--model-path", args.model_path] if args.model_path else []),
+        *["--dtype", "float32"],  # the modes compare drafts over the float32 model (a GGUF's CPU default is gguf)
         *extra,
         *args.server_args,
     ]

@@ -118,7 +118,8 @@ def main():
     texts = [prompt(t) for t in TOPICS[: args.prompts]]
     free = {"temperature": 0, "max_new_tokens": args.max_tokens}
     cons = {**free, "json_schema": json.dumps(SCHEMA)}
-    common = dict(show_progress=False, context_length=1024, max_running_requests=1)
+    # the float32 model, whose default is the shipped draft (a GGUF's CPU default, gguf, has none)
+    common = dict(show_progress=False, dtype="float32", context_length=1024, max_running_requests=1)
     plain = jaxspec.Engine(speculative_algorithm="NONE", **common)
     spec = jaxspec.Engine(speculative_adaptive=False, **common)
     adaptive = jaxspec.Engine(**common)  # the default: adaptive speculation on for the shipped draft

@@ -74,7 +74,7 @@ class ModelArgs:
         aliases=("--model",),
     )
     tokenizer_path: str | None = flag(None, "tokenizer directory if it differs from --model-path")
-    dtype: str = flag("float32", "parameter and KV-cache dtype (auto = float32)", choices=("auto", *DTYPES))
+    dtype: str = flag("auto", "parameter, KV-cache dtype (auto: float32; GGUF on CPU: gguf)", choices=("auto", *DTYPES))
     context_length: int | None = flag(
         None, "maximum prompt + output tokens (default: the model's max_position_embeddings)"
     )
@@ -89,7 +89,7 @@ class ModelArgs:
         "weight-only) or w8a8_int8 (int8 weights and per-token int8 activations, integer matmuls); embeddings, "
         "norms and the LM head stay in --dtype (w8a8_int8 adds an int8 copy of the LM head). gguf: a GGUF file's "
         "Q4_0 / Q4_1 / Q8_0 blocks kept as stored, embedding and LM head included, multiplied by a native kernel "
-        "(CPU only; the fastest mode on CPU)",
+        "(CPU only; the fastest mode on CPU, and a GGUF file's default there unless --dtype or --quantization is set)",
         choices=("int8", "fp8", "w8a8_int8", "gguf"),
     )
     trust_remote_code: bool = flag(
@@ -149,7 +149,7 @@ class SpeculativeArgs:
     speculative_algorithm: str | None = flag(
         None,
         "EAGLE, EAGLE3, NEXTN (= EAGLE), STANDALONE, NGRAM or NONE; unset: EAGLE3 with the draft shipped for the target "
-        "if there is one (SmolLM2-135M-Instruct), else NONE; NGRAM needs no draft",
+        "if there is one (SmolLM2-135M-Instruct) and the target is not in gguf, else NONE; NGRAM needs no draft",
     )
     speculative_draft_model_path: str | None = flag(
         None,

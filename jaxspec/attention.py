@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxspec import native
+from jaxspec import compile_target, native
 from jaxspec.pallas_kernels import decode_attention as _decode
 from jaxspec.pallas_kernels import tree_attention as _tree
 
@@ -62,7 +62,10 @@ logger = logging.getLogger(__name__)
 
 
 def default_backend() -> str:
-    return "pallas" if jax.default_backend() == "gpu" and pallas_self_check() is None else "xla"
+    if compile_target.platform() != "gpu":
+        return "xla"
+    # compiling for a GPU this process does not have: nothing can run the check, the kernels are taken
+    return "pallas" if compile_target.deviceless() or pallas_self_check() is None else "xla"
 
 
 @functools.cache
@@ -80,7 +83,7 @@ def pallas_self_check() -> str | None:
         )
         kv_len = jnp.asarray([3, 200], jnp.int32)
         mask = jnp.asarray(rng.random((b, t, t)) < 0.5) | jnp.eye(t, dtype=bool)
-        interpret = jax.default_backend() != "gpu"
+        interpret = compile_target.platform() != "gpu"
         pairs = [
             (
                 _tree.tree_attention(q, k, v, kv_len, mask, interpret=interpret),
@@ -184,7 +187,7 @@ def _warn_native(reason: str):
 
 
 def _pallas(q, k, v, prefix_len, offset, local_mask=None, *, sliding_window):
-    interpret = jax.default_backend() != "gpu"
+    interpret = compile_target.platform() != "gpu"
     if q.shape[1] == 1 and local_mask is None:
         out = _decode.decode_attention(
             q[:, 0], k, v, prefix_len + offset + 1, sliding_window=sliding_window, interpret=interpret
@@ -247,7 +250,7 @@ def split_attention(q, k, v, prefix_len, local_mask, offset, backend, kv_shardin
     if backend == "pallas" and reason is None:
         if kv_sharding is None:
             o_p, lse_p = _decode.decode_attention(
-                qf, k, v, prefix_len, interpret=jax.default_backend() != "gpu", return_lse=True
+                qf, k, v, prefix_len, interpret=compile_target.platform() != "gpu", return_lse=True
             )
         else:
             o_p, lse_p = _decode_sharded(kv_sharding, qf, k, v, prefix_len)
@@ -281,7 +284,7 @@ def _decode_sharded(kv_sharding, qf, k, v, prefix_len):
     """The decode kernel per device on its KV heads: qf [B, Hkv * T * G, D] is head-major, so splitting
     its axis 1 as k's axis 2 keeps each device's query rows with their KV heads."""
     axis = kv_sharding.spec[2]
-    body = functools.partial(_decode.decode_attention, interpret=jax.default_backend() != "gpu", return_lse=True)
+    body = functools.partial(_decode.decode_attention, interpret=compile_target.platform() != "gpu", return_lse=True)
     return jax.shard_map(
         body,
         mesh=kv_sharding.mesh,

@@ -17,7 +17,7 @@ import time
 from jaxspec.args import EngineArgs, flag, from_namespace
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
-from jaxspec.loader import load
+from jaxspec.loader import load_target
 from jaxspec.requests import bucket
 from jaxspec.sharding import make_mesh
 
@@ -119,7 +119,7 @@ def run_sweep(args) -> list[dict]:
     except JaxspecError:
         questions = (FALLBACK_PROMPTS * args.prompts)[: args.prompts]
     flags = from_namespace(EngineArgs, args)
-    loaded = load(args.model_path, args.dtype, args.tokenizer_path, progress=True, mesh=make_mesh(args.tp_size))
+    loaded = load_target(flags, make_mesh(args.tp_size))
     plain = Engine(
         dataclasses.replace(flags, max_running_requests=max(args.batch_size), speculative_algorithm="NONE"),
         _loaded=loaded,

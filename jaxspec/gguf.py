@@ -33,6 +33,11 @@ KINDS = tuple(native.GGUF_BLOCKS)  # the block types this mode multiplies: Q4_0,
 FLOAT_KINDS = ("F32", "F16")  # read as float32 beside them
 
 
+def unsupported_kinds(types: dict[str, str]) -> list[str]:
+    """The tensor types of a GGUF file (tensor name -> type) this mode cannot read, sorted."""
+    return sorted({t for t in types.values() if t not in KINDS + FLOAT_KINDS})
+
+
 def block_bytes(kind: str) -> int:
     return native.GGUF_BLOCKS[kind][1]
 

@@ -12,6 +12,7 @@ from jaxspec import gguf, native
 from jaxspec.config import ModelConfig
 from jaxspec.convert.source import hf_tokenizer
 from jaxspec.convert.sources import checkpoint_quantization, open_source
+from jaxspec.default_mode import gguf_default, may_keep_gguf_blocks
 from jaxspec.default_model import default_gguf_path, default_model_path
 from jaxspec.errors import JaxspecError
 from jaxspec.models.llama import LlamaForCausalLM
@@ -55,15 +56,20 @@ def load(
     with_tokenizer: bool = True,
     mesh=None,
     quantization: str | None = None,
+    keep_gguf: bool = False,
 ) -> LoadedModel:
     """mesh: a tensor-parallel mesh (jaxspec/sharding.py): each weight goes straight to its shards.
     quantization "gguf": a GGUF file's blocks kept as stored (jaxspec/gguf.py); other modes apply
-    later (jaxspec/prepare.py)."""
-    if quantization == "gguf" and model_path in (None, "", "default"):
+    later (jaxspec/prepare.py). keep_gguf (`default_mode.may_keep_gguf_blocks`) with quantization
+    None: a GGUF file whose tensors the kernel reads loads as "gguf" too (`default_mode.gguf_default`)."""
+    keep_gguf = keep_gguf and quantization is None
+    if (quantization == "gguf" or keep_gguf) and model_path in (None, "", "default"):
         path = default_gguf_path()  # the default model's GGUF file itself, not its float32 conversion
     else:
         path = resolve_model_path(model_path, progress)
     src = open_source(path)
+    if keep_gguf:
+        quantization = gguf_default(src)
     cfg = ModelConfig.from_hf(src.config)
     if mesh is not None:
         check_heads(cfg, mesh.size)
@@ -81,6 +87,13 @@ def load(
     return LoadedModel(cfg, model, tokenizer, path, src.kind, quant)
 
 
+def load_target(args, mesh=None, progress: bool = True, with_tokenizer: bool = True) -> LoadedModel:
+    """The target of ModelArgs / EngineArgs `args`, in the quantization they ask for, else in the one
+    jaxspec/default_mode.py decides (a GGUF on a CPU: its own blocks)."""
+    keep, path, quant = may_keep_gguf_blocks(args), args.model_path, args.quantization
+    return load(path, args.dtype, args.tokenizer_path, progress, with_tokenizer, mesh, quant, keep_gguf=keep)
+
+
 def check_gguf(src, dtype, mesh) -> None:
     """What --quantization gguf needs, checked before any weight loads: a GGUF file whose tensors
     are all of the types the kernel multiplies (or float), float32, one CPU device, the kernel built."""
@@ -89,7 +102,7 @@ def check_gguf(src, dtype, mesh) -> None:
             f"--quantization gguf keeps a GGUF file's weight blocks as stored; {src.path} is not a GGUF file "
             "(use int8, fp8 or w8a8_int8 for other checkpoints)"
         )
-    bad = sorted({t for t in src.types.values() if t not in gguf.KINDS + gguf.FLOAT_KINDS})
+    bad = gguf.unsupported_kinds(src.types)
     if bad:
         example = next(n for n, t in src.types.items() if t == bad[0])
         raise JaxspecError(

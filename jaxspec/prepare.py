@@ -22,12 +22,13 @@ import logging
 import os
 from typing import Any
 
-import jax
 from flax import nnx
 
+from jaxspec import compile_target
 from jaxspec.args import EngineArgs
 from jaxspec.config import SpecConfig
 from jaxspec.convert.sources import open_hf_dir
+from jaxspec.default_mode import shipped_draft_by_default
 from jaxspec.drafts import bundled_draft_for
 from jaxspec.loader import LoadedModel
 from jaxspec.models.llama import fuse_projections, out_major
@@ -54,7 +55,7 @@ class Layout:
     def for_target(cls, args: EngineArgs, quantization: str | None, fuse: bool, out_major_ok: bool) -> Layout:
         """The target's layout; out-major kernels only on XLA:CPU with one device (and fused
         projections: the fused matmuls are the ones laid out)."""
-        cpu = fuse and out_major_ok and args.tp_size == 1 and jax.default_backend() == "cpu"
+        cpu = fuse and out_major_ok and args.tp_size == 1 and compile_target.platform() == "cpu"
         return cls(fuse=fuse, shards=args.tp_size, quantization=quantization, cpu_out_major=cpu)
 
 
@@ -73,7 +74,7 @@ def prepare_target(loaded: LoadedModel, layout: Layout, mesh, given: bool) -> tu
     if given and (layout.fuse or layout.quantization):
         model = nnx.clone(model)
     graphdef, params = prepare(model, layout)
-    if layout.quantization in ("int8", "fp8") and jax.default_backend() == "cpu":
+    if layout.quantization in ("int8", "fp8") and compile_target.platform() == "cpu":
         logger.warning(
             "%s weights on CPU: XLA:CPU converts them to float before each matmul, so decoding is slower "
             "than float32 here (they save memory; the speed is for GPUs; w8a8_int8 is the fast mode on CPU)",
@@ -99,10 +100,9 @@ def draft_from_target(loaded: LoadedModel, algo: str | None) -> tuple | None:
     """A draft the target itself supplies when no draft path is given: an MTP module inside its
     checkpoint (for EAGLE / NEXTN, as SGLang falls back to the target path), else a draft of that
     algorithm shipped with jaxspec for it (jaxspec.drafts); algo None (speculative_algorithm unset)
-    asks for the target's default shipped draft, except under --quantization gguf, where the shipped
-    draft measured slower than plain decoding on CPU (benchmarks/RESULTS.md): there it runs only when
-    asked for by name."""
-    if algo is None and loaded.quantization == "gguf":
+    asks for the target's default shipped draft where the target's mode wants one
+    (jaxspec/default_mode.py: not under gguf, where it runs only when asked for by name)."""
+    if algo is None and not shipped_draft_by_default(loaded.quantization):
         return None
     if algo == "EAGLE" and loaded.source_kind == "hf" and os.path.isdir(loaded.path):
         src = open_hf_dir(loaded.path, check_config=False)

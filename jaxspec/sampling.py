@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
+from jaxspec import compile_target
 from jaxspec.errors import JaxspecError
 
 GREEDY_EPS = 1e-6
@@ -267,7 +268,7 @@ SKIP_UNUSED: bool | None = None
 
 def skips_unused() -> bool:
     """SKIP_UNUSED as it applies to programs traced now (the default backend's)."""
-    return jax.default_backend() == "cpu" if SKIP_UNUSED is None else SKIP_UNUSED
+    return compile_target.platform() == "cpu" if SKIP_UNUSED is None else SKIP_UNUSED
 
 
 def draws(st: SamplingTensors):

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxspec import compile_target
 from jaxspec.cache import KVCache
 from jaxspec.decode import LENGTH, RUNNING, STOPPED, DecodeState, decode_step, target_prefill
 from jaxspec.grammar import Emitted, mask_logits, sync
@@ -315,7 +316,7 @@ def dispatch(
     lps = core.lps
     if not logprobs:
         core = dataclasses.replace(core, lps=None)
-    cpu = jax.default_backend() == "cpu"
+    cpu = compile_target.platform() == "cpu"
     trips = k
     if prop is None:
         step = lambda s: decode_step(tgt, s, st, sub.max_new, sub.stop_ids, backend, sampled)

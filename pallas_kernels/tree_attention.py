@@ -26,7 +26,12 @@ Layout. Queries are packed per KV head: row r = t * G + g of the GQA group, so o
 K/V block once for all G query heads sharing it (the point of GQA). Grid (B, Hkv, row_blocks, splits):
 the visible columns of a slot are split evenly (at run time, from kv_len) into `splits` parts
 (flash-decoding), each program keeps an online softmax (m, l, acc) in float32, and `_combine` merges
-the parts. K/V are read in place from the [B, S, Hkv, D] cache: no copy, no transpose.
+the parts. K/V are read in place from the [B, S, Hkv, D] cache: no copy, no transpose. With one
+row block (up to 64 packed rows, every decoding step and tree here) a program gathers its rows from
+q [B, T, H, D] itself, the rows past the last repeating it (computed and discarded); with one split
+as well (caches under 512 columns at batch 1, `default_splits`) it also normalises and writes its
+rows of the output [B, T, H, D]: one kernel, where a pad or transpose before it and a merge after it
+made three (a small model at batch 1 is bound by how many kernels a step launches).
 """
 
 from __future__ import annotations
@@ -101,22 +106,34 @@ def _kernel(
     local_width,
     sliding_window,
     precision,
+    block_r,
+    clamp,
+    final,
 ):
     """One program: rows [block_r] of one (slot, KV head), one split of the visible columns.
 
-    kv_len_ref: [] int32; pos_ref: [] int32 = kv_len + offset, the cache column of query token 0; q_ref: [block_r, D]; k_ref, v_ref: [S, D] (strided views of the cache);
+    kv_len_ref: [] int32; pos_ref: [] int32 = kv_len + offset, the cache column of query token 0; q_ref: [block_r, D]
+    (clamp: the slot's whole q [T, H, D]); k_ref, v_ref: [S, D] (strided views of the cache);
     mask_ref (if local_width = W is set): [block_r, WP] int8, the local mask padded with block_k zero
-    columns on the left and at least block_k on the right (WP >= W + 2 * block_k). Outputs acc_ref [block_r, D], m_ref, l_ref [block_r] (float32).
+    columns on the left and at least block_k on the right (WP >= W + 2 * block_k). Outputs acc_ref [block_r, D], m_ref, l_ref [block_r] (float32),
+    or with `final` the slot's output [T, H, D] (and log-sum-exps [T, H]), this program's rows of it.
     """
     has_mask = local_width is not None
-    mask_ref, (acc_ref, m_ref, l_ref) = (rest[0], rest[1:]) if has_mask else (None, rest)
-    block_r, d = q_ref.shape
+    mask_ref, outs = (rest[0], rest[1:]) if has_mask else (None, rest)
+    d = q_ref.shape[-1]
     s_len = k_ref.shape[0]
     split, n_split = pl.program_id(3), pl.num_programs(3)
     row0 = pl.program_id(2) * block_r
     kv_len, pos0 = kv_len_ref[()], pos_ref[()]
 
-    rows = row0 + lax.broadcasted_iota(jnp.int32, (block_r, block_k), 0)  # packed row r = t * G + g
+    # packed row r = t * G + g; clamped: q_ref is the slot's whole q [T, H, D], row r is q[t, h * G + g]
+    # of this program's KV head h, and rows past num_rows repeat the last
+    ridx = jnp.minimum(lax.iota(jnp.int32, block_r), num_rows - 1) if clamp else None
+    if clamp:
+        t_idx, h_idx = ridx // group, pl.program_id(1) * group + ridx % group
+    rows = row0 + lax.broadcasted_iota(jnp.int32, (block_r, block_k), 0)
+    if clamp:
+        rows = jnp.minimum(rows, num_rows - 1)
     t_of_row = rows // group
     if has_mask:
         hi = kv_len + local_width
@@ -129,7 +146,7 @@ def _kernel(
     lo = split * chunk
     n_blocks = jnp.clip(pl.cdiv(hi - lo, block_k), 0, chunk // block_k)
 
-    q = q_ref[...]
+    q = q_ref[t_idx, h_idx, :] if clamp else q_ref[...]
     col_iota = lax.broadcasted_iota(jnp.int32, (block_r, block_k), 1)
 
     def body(i, carry):
@@ -169,6 +186,14 @@ def _kernel(
         jnp.zeros((block_r,), jnp.float32),
     )
     acc, m, l = lax.fori_loop(0, n_blocks, body, init)
+    if final:  # the whole row in one program: normalise here (as _combine does for one part)
+        seen = l > 0
+        den = jnp.where(seen, l, 1.0)
+        outs[0][t_idx, h_idx, :] = (acc / den[:, None]).astype(outs[0].dtype)
+        if len(outs) > 1:
+            outs[1][t_idx, h_idx] = jnp.where(seen, m + jnp.log(den), -jnp.inf)
+        return
+    acc_ref, m_ref, l_ref = outs
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -247,15 +272,25 @@ def tree_attention(
     row_blocks = r_pad // block_r
     splits = splits or default_splits(b, hkv, row_blocks, s)
 
-    # [B, T, Hkv, G, D] -> [B, Hkv, T*G (padded), D]: row r = t * G + g.
-    qp = q.reshape(b, t, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
-    qp = jnp.pad(qp, ((0, 0), (0, 0), (0, r_pad - rows), (0, 0)))
+    # One row block (the usual case: up to 64 packed rows) reads q unpadded, its rows past the
+    # last clamped to the last (duplicates, computed and discarded), and with one split the kernel
+    # writes the normalised output itself: no pad before the kernel and no merge after it, for a
+    # decoding step one kernel instead of three.
+    clamp = row_blocks == 1
+    final = clamp and splits == 1
+    if clamp:  # the kernel gathers its rows from q itself
+        qp = q
+        q_spec = pl.BlockSpec((None, t, h, d), lambda bi, hi, ri, si: (bi, 0, 0, 0))
+    else:  # [B, T, Hkv, G, D] -> [B, Hkv, T*G (padded), D]: row r = t * G + g.
+        qp = q.reshape(b, t, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
+        qp = jnp.pad(qp, ((0, 0), (0, 0), (0, r_pad - rows), (0, 0)))
+        q_spec = pl.BlockSpec((None, None, block_r, d), lambda bi, hi, ri, si: (bi, hi, ri, 0))
     kv_len = kv_len.astype(jnp.int32)
     inputs = [kv_len, kv_len + jnp.asarray(offset, jnp.int32), qp, k, v]
     in_specs = [
         pl.BlockSpec((None,), lambda bi, hi, ri, si: (bi,)),
         pl.BlockSpec((None,), lambda bi, hi, ri, si: (bi,)),
-        pl.BlockSpec((None, None, block_r, d), lambda bi, hi, ri, si: (bi, hi, ri, 0)),
+        q_spec,
         pl.BlockSpec((None, s, None, d), lambda bi, hi, ri, si: (bi, 0, hi, 0)),
         pl.BlockSpec((None, s, None, d), lambda bi, hi, ri, si: (bi, 0, hi, 0)),
     ]
@@ -264,7 +299,9 @@ def tree_attention(
         w = local_mask.shape[2]
         wp = _pow2(pl.cdiv(w, block_k) * block_k + 2 * block_k)
         mask = jnp.repeat(local_mask.astype(jnp.int8), group, axis=1)  # [B, T*G, W]
-        mask = jnp.pad(mask, ((0, 0), (0, r_pad - rows), (block_k, wp - w - block_k)))
+        # padded rows repeat the last row's mask (clamped rows are the last row)
+        mask = jnp.pad(mask, ((0, 0), (0, r_pad - rows), (0, 0)), mode="edge")
+        mask = jnp.pad(mask, ((0, 0), (0, 0), (block_k, wp - w - block_k)))
         inputs.append(mask)
         in_specs.append(pl.BlockSpec((None, block_r, wp), lambda bi, hi, ri, si: (bi, ri, 0)))
 
@@ -277,7 +314,12 @@ def tree_attention(
         local_width=local_mask.shape[2] if has_mask else None,
         sliding_window=sliding_window,
         precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT,
+        block_r=block_r,
+        clamp=clamp,
+        final=final,
     )
+    if final:
+        return _final_call(kernel, inputs, in_specs, q, hkv, blocks, interpret, return_lse)
     stat = lambda bi, hi, ri, si: (bi, hi, si, ri)
     acc, m, l = pl.pallas_call(
         kernel,
@@ -303,6 +345,28 @@ def tree_attention(
         return out.astype(q.dtype)
     lse = lse[:, :, :rows].reshape(b, hkv, t, group).transpose(0, 2, 1, 3).reshape(b, t, h)
     return out, lse
+
+
+def _final_call(kernel, inputs, in_specs, q, hkv: int, blocks: Blocks, interpret: bool, return_lse: bool):
+    """One split, one row block: the kernel writes the output [B, T, H, D] (and the log-sum-exps
+    [B, T, H]) itself, each program the rows of its KV head's query heads."""
+    b, t, h, d = q.shape
+    out_specs = [pl.BlockSpec((None, t, h, d), lambda bi, hi, ri, si: (bi, 0, 0, 0))]
+    out_shape = [jax.ShapeDtypeStruct((b, t, h, d), jnp.float32 if return_lse else q.dtype)]
+    if return_lse:
+        out_specs.append(pl.BlockSpec((None, t, h), lambda bi, hi, ri, si: (bi, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((b, t, h), jnp.float32))
+    res = pl.pallas_call(
+        kernel,
+        grid=(b, hkv, 1, 1),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_compiler_params(blocks.num_warps, blocks.num_stages),
+        interpret=interpret,
+        name="tree_attention",
+    )(*inputs)
+    return tuple(res) if return_lse else res[0]
 
 
 def _compiler_params(num_warps: int, num_stages: int):

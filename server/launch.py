@@ -11,6 +11,7 @@ import time
 import jax
 
 from jaxspec.args import EngineArgs, MultiHostArgs, ServerArgs, compatibility_notes, from_namespace
+from jaxspec.default_mode import target_mode
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.server import replicas
@@ -119,7 +120,8 @@ def cmd_serve(args) -> int:
         + (" (adaptive: that tree, a shallower one or plain steps, per dispatch)" if spec.adaptive else " (static)")
     )
     print(
-        f"jaxspec serve: {sched.slots} request slots x {sched.context_length} tokens, {desc}; "
+        f"jaxspec serve: target in {target_mode(sched.eng)}; {sched.slots} request slots x "
+        f"{sched.context_length} tokens, {desc}; "
         f"listening on http://{args.host}:{args.port} (Ctrl-C to stop)",
         file=sys.stderr,
         flush=True,

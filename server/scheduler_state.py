@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import grammar
+from jaxspec import compile_target, grammar
 from jaxspec.cache import KVCache
 from jaxspec.config import SpecConfig
 from jaxspec.engine import Engine
@@ -37,6 +37,14 @@ from jaxspec.speculative.online import feature_window, read_features
 from jaxspec.speculative.proposers.eagle import EagleProposer
 
 logger = logging.getLogger("jaxspec.server")
+
+
+def dispatch_defaults(platform: str) -> tuple[int, int]:
+    """(rounds per dispatch, smallest KV span a program reads) on `platform` unless flags say otherwise.
+    A GPU runs 8 rounds per dispatch (one CUDA graph each) over spans of 512 and up: long spans cost
+    little there and mean fewer programs, while on a CPU attention over unused columns is a visible
+    share of a decode step (27 vs 32 tok/s), and 2 rounds keep a dispatch short."""
+    return (8, 512) if platform != "cpu" else (2, 64)
 
 
 class SchedulerState:
@@ -63,8 +71,9 @@ class SchedulerState:
         # calls too, at no extra cost), so they run the shape of rounds that sample (SpecConfig.for_kind)
         self.spec = eng.spec.for_kind(skips_unused()) if eng.spec.enabled else None
         self.prop = eng.proposer if self.spec else None
-        gpu = jax.devices()[0].platform != "cpu"
-        self.k = int(decode_steps or (8 if gpu else 2))  # rounds per dispatch
+        gpu = compile_target.platform() != "cpu"
+        default_k, default_span = dispatch_defaults(compile_target.platform())
+        self.k = int(decode_steps or default_k)  # rounds per dispatch
         # adaptive speculation: per dispatch, the tree shape or plain steps (its own cost table:
         # a dispatch's rounds are not the offline engine's programs)
         self.adaptive = (
@@ -76,9 +85,7 @@ class SchedulerState:
         cands = self.adaptive.candidates if self.adaptive else [self.spec]
         self.shapes: dict[str, SpecConfig | None] = {shape_label(c): c for c in cands}
         self.main_shape = shape_label(self.spec)
-        # smallest KV span a program reads: long spans cost little on a GPU (fewer programs), but
-        # attention over unused columns is a visible share of a CPU decode step (27 vs 32 tok/s)
-        self.min_span = int(min_span or (512 if gpu else 64))
+        self.min_span = int(min_span or default_span)  # smallest KV span a program reads
         if self.k < 1:
             raise JaxspecError("--num-continuous-decode-steps must be >= 1")
         steps = self.spec.num_steps if self.spec else 0

@@ -95,7 +95,8 @@ def hf_dirs(tmp_path_factory):
 def default_engine():
     import jaxspec
 
-    return jaxspec.Engine(show_progress=False, speculative_algorithm="NONE")  # the plain reference
+    # the plain float32 reference (the default on a CPU would keep the GGUF's own blocks: gguf)
+    return jaxspec.Engine(show_progress=False, dtype="float32", speculative_algorithm="NONE")
 
 
 @pytest.fixture(scope="session")

@@ -129,10 +129,12 @@ def test_a_shipped_shape_for_rounds_that_sample():
 
 
 @pytest.mark.slow
-def test_default_engine_speculates_with_the_shipped_draft_losslessly(default_engine):
+def test_float32_engine_speculates_with_the_shipped_draft_losslessly(default_engine):
+    """The default model read as float32 (the default off the CPU) speculates with its shipped EAGLE-3
+    head by itself, token-identical to float32 plain decoding."""
     import jaxspec
 
-    eng = jaxspec.Engine(show_progress=False)
+    eng = jaxspec.Engine(show_progress=False, dtype="float32")
     assert eng.speculative_algorithm == "EAGLE3" and eng.spec.draft_model_path.startswith(drafts.HERE)
     assert default_engine.speculative_algorithm == "NONE"
     msgs = [
@@ -156,7 +158,7 @@ def test_default_engine_speculates_with_the_shipped_draft_losslessly(default_eng
         sched = Scheduler(eng, max_running_requests=1)
         assert sched.main_shape == "2/1/3" and list(sched.shapes) == ["2/1/3", "1/1/2", "off"]
     # "EAGLE" without a draft path: the shipped EAGLE-2 head, lossless too
-    e2 = jaxspec.Engine(show_progress=False, speculative_algorithm="EAGLE")
+    e2 = jaxspec.Engine(show_progress=False, dtype="float32", speculative_algorithm="EAGLE")
     assert e2.spec.draft_model_path.endswith("smollm2-135m-instruct-eagle2")
     got2 = e2.chat(msgs, sp)
     assert [r["output_ids"] for r in got2] == [r["output_ids"] for r in got]

@@ -204,7 +204,7 @@ def test_blocks_are_kept_and_decoding_follows_the_float_model(files):
     assert layer["self_attn"]["qkv_proj"]["kernel"][...].dtype == jnp.uint8
     assert q.graphdef is not None and q.loaded.model.layers[0].mlp.down_proj.gguf == "Q4_1x8"
     assert layer["mlp"]["gate_up_proj"]["kernel"][...].dtype == jnp.uint8
-    ref = engine(files["q4_1"], speculative_algorithm="NONE")  # the same file read as float32
+    ref = engine(files["q4_1"], dtype="float32", speculative_algorithm="NONE")  # the same file read as float32
     a = [r["output_ids"] for r in q.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
     b = [r["output_ids"] for r in ref.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
     assert sum(x[:4] == y[:4] for x, y in zip(a, b)) >= 3
@@ -239,7 +239,7 @@ def test_an_untied_head_in_blocks(files):
     """output.weight in blocks computes the logits (Q4_0, interleaved), its own type beside the others'."""
     q = engine(files["untied"], quantization="gguf", speculative_algorithm="NONE")
     assert q.loaded.model.lm_head.gguf == "Q4_0x8"
-    ref = engine(files["untied"], speculative_algorithm="NONE")
+    ref = engine(files["untied"], dtype="float32", speculative_algorithm="NONE")
     one = dict(GREEDY, max_new_tokens=1)
     a = q.generate(input_ids=PROMPTS, sampling_params=one, return_logprob=True)
     b = ref.generate(input_ids=PROMPTS, sampling_params=one, return_logprob=True)
@@ -250,7 +250,7 @@ def test_qwen2_with_biases(files):
     """A qwen2 file (q/k/v biases read as float32 beside Q4_0 blocks, rows as the file stores them)."""
     q = engine(files["qwen2"], quantization="gguf", speculative_algorithm="NONE")
     assert q.params["layers"][0]["self_attn"]["qkv_proj"]["bias"][...].dtype == jnp.float32
-    ref = engine(files["qwen2"], speculative_algorithm="NONE")
+    ref = engine(files["qwen2"], dtype="float32", speculative_algorithm="NONE")
     one = dict(GREEDY, max_new_tokens=1)
     a = q.generate(input_ids=PROMPTS, sampling_params=one)
     b = ref.generate(input_ids=PROMPTS, sampling_params=one)
@@ -266,7 +266,8 @@ def test_bad_input_is_a_clear_error(files, tmp_path, monkeypatch):
         JaxspecError, match=r"type Q5_0 \(e.g\. model\.layers\.0\.mlp\.up_proj\.weight\).*Q4_0, Q4_1, Q8_0"
     ):
         engine(q5, quantization="gguf")
-    engine(q5, speculative_algorithm="NONE")  # read as float32 without the flag
+    # without the flag (the default): read as float32, the one reading that serves such a file
+    assert engine(q5, speculative_algorithm="NONE").quantization is None
     with pytest.raises(JaxspecError, match="not a GGUF file"):
         from helpers import make_hf_model as _m
 
@@ -299,3 +300,19 @@ def test_the_shipped_draft_runs_under_gguf_only_when_named():
     assert draft_from_target(loaded, None) is None
     assert draft_from_target(loaded, "EAGLE3") is not None
     assert draft_from_target(dataclasses.replace(loaded, quantization=None), None) is not None
+
+
+def test_a_gguf_file_runs_at_its_own_quantization_by_default(files, tmp_path):
+    """With neither --quantization nor --dtype a GGUF file on the CPU runs as gguf (jaxspec/default_mode.py),
+    decoding exactly what --quantization gguf does; --dtype float32 reads it as float32, another
+    --quantization is that one, and a float checkpoint keeps float32."""
+    auto = engine(files["q4_1"], speculative_algorithm="NONE")
+    assert auto.quantization == "gguf" and auto.loaded.model.layers[0].mlp.down_proj.gguf == "Q4_1x8"
+    named = engine(files["q4_1"], quantization="gguf", speculative_algorithm="NONE")
+    a = [r["output_ids"] for r in auto.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    assert a == [r["output_ids"] for r in named.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
+    f32 = engine(files["q4_1"], dtype="float32", speculative_algorithm="NONE")
+    assert f32.quantization is None and f32.params["layers"][0]["mlp"]["down_proj"]["kernel"][...].dtype == jnp.float32
+    assert engine(files["q4_1"], quantization="w8a8_int8", speculative_algorithm="NONE").quantization == "w8a8_int8"
+    make_hf_model("llama", 0).save_pretrained(tmp_path / "hf")
+    assert engine(str(tmp_path / "hf"), speculative_algorithm="NONE").quantization is None

@@ -47,7 +47,8 @@ def test_round_job_runs_at_toy_size(tmp_path):
     rows = json.loads((tmp_path / "out" / "round_bisect.json").read_text())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     versions = ["HEAD"] + (["e77d0b2"] if has_history else [])
-    flags = ("", "--xla_gpu_enable_command_buffer=", "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL")
+    graphs = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1"
+    flags = ("", "--xla_gpu_enable_command_buffer=", graphs)
     assert [(row["variant"], row["xla_flags"]) for row in rows] == [(v, f) for f in flags for v in versions]
     for row in rows:
         assert "error" not in row, row.get("error")

@@ -508,14 +508,15 @@ def test_sigterm_finishes_inflight_stream(model_dirs):  # noqa: F811
 
 @pytest.mark.slow
 def test_default_model_server_matches_offline_greedy(default_engine):
-    """`make serve`'s configuration (SmolLM2 + its shipped EAGLE-3 head): chat over HTTP gives the
-    plain engine's greedy tokens."""
+    """`make serve SERVE_ARGS="--dtype float32"` (SmolLM2 read as float32 + its shipped EAGLE-3 head,
+    the default off the CPU): chat over HTTP gives the plain float32 engine's greedy tokens."""
     from jaxspec.cli import build_parser
     from jaxspec.server.launch import build
 
     app, sched = build(
         build_parser().parse_args(
-            ["serve", "--context-length", "1024", "--cuda-graph-max-bs", "2", "--log-level", "error"]
+            ["serve", "--dtype", "float32", "--context-length", "1024", "--cuda-graph-max-bs", "2"]
+            + ["--log-level", "error"]
         ),
         progress=False,
     )

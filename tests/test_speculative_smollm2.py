@@ -36,7 +36,9 @@ def test_smollm2_random_drafts_are_lossless(default_engine, tmp_path):
         )
         if algo == "STANDALONE":  # the target itself as the draft: unquantized (on CPU a draft runs in int8 by default)
             kw["speculative_draft_model_quantization"] = "unquant"
-        eng = Engine(show_progress=False, speculative_algorithm=algo, speculative_draft_model_path=path, **kw)
+        eng = Engine(
+            show_progress=False, dtype="float32", speculative_algorithm=algo, speculative_draft_model_path=path, **kw
+        )
         out = eng.chat([[{"role": "user", "content": p}] for p in PROMPTS], SP)
         assert [r["output_ids"] for r in out] == plain
         if algo == "STANDALONE":  # the target drafting for itself: every round but the last emits num_steps + 1
@@ -65,6 +67,7 @@ def test_sglang_documented_shapes_are_lossless_with_shipped_heads(default_engine
     for steps, topk, n in SGLANG_DOC_SHAPES:
         eng = Engine(
             show_progress=False,
+            dtype="float32",
             speculative_algorithm=algo,
             speculative_draft_model_path=path,
             speculative_num_steps=steps,

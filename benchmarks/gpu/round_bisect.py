@@ -263,12 +263,17 @@ def hlo_summary(dump: str) -> list[dict]:
     import glob
     import re
 
+    import thunks
     from hlo_profile import profile
 
     out = []
+    sequences = thunks.module_files(dump)
     for path in sorted(glob.glob(os.path.join(dump, "*after_optimizations.txt"))):
         name = os.path.basename(path)
         r = profile(path)
+        module = ".".join(name.split(".")[:2])
+        # what runs: kernels per iteration of the main loop and whether a command buffer holds it
+        main = thunks.profile_module(dump, module).main_loop() if module in sequences else None
         loops = [dict(kernels=k, trips=t, mb_copied=round(c / 1e6, 2)) for _, k, t, c in r["loops"] if k >= 20]
         calls: collections.Counter = collections.Counter()  # custom calls by target (Pallas kernels by name)
         with open(path) as f:
@@ -286,6 +291,9 @@ def hlo_summary(dump: str) -> list[dict]:
                 conditional=r["conditional"],
                 sort=r["sort"],
                 custom_calls=dict(calls.most_common(8)),
+                thunk_loop=None
+                if main is None
+                else dict(kernels=main.kernels, captured=main.captured, by_kind=main.by_kind),
             )
         )
     return out

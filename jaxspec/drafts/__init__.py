@@ -75,6 +75,6 @@ def bundled_draft_for(
 
 
 def _platform() -> str:
-    import jax
+    from jaxspec import compile_target
 
-    return "cpu" if jax.default_backend() == "cpu" else "gpu"
+    return "cpu" if compile_target.platform() == "cpu" else "gpu"

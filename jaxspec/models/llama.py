@@ -32,6 +32,7 @@ from jaxspec.attention import attention
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig, rope_inv_freq
 from jaxspec.errors import JaxspecError
+from jaxspec.models import fused_layer
 
 INIT_STD = 0.02
 
@@ -96,7 +97,7 @@ class Linear(nnx.Module):
 def concat_shards(ws: list, shards: int):
     """ws: arrays [..., C_i] -> [..., sum C_i] with columns [w0_0 | w1_0 | ... | w0_1 | w1_1 | ...]:
     block s holds the s-th of `shards` equal column slices of every w (split like ws[0] on a mesh)."""
-    sharding = ws[0].sharding
+    sharding = getattr(ws[0], "sharding", None)  # (none under jax.eval_shape: the weights are shapes)
     return _concat_shards(ws, shards, sharding if isinstance(sharding, NamedSharding) else None)
 
 
@@ -200,27 +201,37 @@ class Attention(nnx.Module):
         del self.q_proj, self.k_proj, self.v_proj
         self.shards = shards
 
+    def heads(self, qkv):
+        """The fused projection's output [B, T, (Nh + 2 Nkv) D] -> q [B, T, Nh, D], k and v [B, T, Nkv, D]."""
+        cfg, (b, t, _) = self.cfg, qkv.shape
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, k, v = split_shards(qkv, self.shards, (nh * d, nkv * d, nkv * d))
+        return q.reshape(b, t, nh, d), k.reshape(b, t, nkv, d), v.reshape(b, t, nkv, d)
+
     def project(self, x):
         """x: [B, T, Hin] -> q [B, T, Nh, D], k and v [B, T, Nkv, D] (before RoPE)."""
         cfg, (b, t, _) = self.cfg, x.shape
-        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         if self.shards:
-            q, k, v = split_shards(self.qkv_proj(x), self.shards, (nh * d, nkv * d, nkv * d))
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            return self.heads(self.qkv_proj(x))
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         return q.reshape(b, t, nh, d), k.reshape(b, t, nkv, d), v.reshape(b, t, nkv, d)
 
-    def __call__(self, x, positions, inv_freq, cache: KVCache, layer: int, local_mask, offset, backend):
-        cfg = self.cfg
-        b, t, _ = x.shape
-        q, k, v = self.project(x)
+    def attend(self, q, k, v, positions, inv_freq, cache: KVCache, layer: int, local_mask, offset, backend):
+        """RoPE, the KV write and attention for projected q, k, v -> (o [B, T, Nh * D], cache)."""
+        cfg, (b, t) = self.cfg, q.shape[:2]
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         cache = cache.write(layer, k, v, cache.lengths + offset)
         o = attention(
             q, *cache.read(layer), cache.lengths, local_mask, cfg.sliding_window, offset, backend, cache.sharding
         )
-        return self.o_proj(o.reshape(b, t, cfg.num_heads * cfg.head_dim)), cache
+        return o.reshape(b, t, cfg.num_heads * cfg.head_dim), cache
+
+    def __call__(self, x, positions, inv_freq, cache: KVCache, layer: int, local_mask, offset, backend):
+        q, k, v = self.project(x)
+        o, cache = self.attend(q, k, v, positions, inv_freq, cache, layer, local_mask, offset, backend)
+        return self.o_proj(o), cache
 
 
 class MLP(nnx.Module):
@@ -259,6 +270,8 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype, rngs)
 
     def __call__(self, x, positions, inv_freq, cache, layer, local_mask, offset, backend):
+        if fused_layer.applies(self, x.shape[0] * x.shape[1], backend, cache):  # few rows on a GPU: five kernels
+            return fused_layer.run(self, x, positions, inv_freq, cache, layer, local_mask, offset, backend)
         xn = x if self.input_layernorm is None else self.input_layernorm(x)
         a, cache = self.self_attn(xn, positions, inv_freq, cache, layer, local_mask, offset, backend)
         x = x + a

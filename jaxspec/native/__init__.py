@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import compile_target
 from jaxspec.errors import JaxspecError
 from jaxspec.paths import cache_dir
 
@@ -111,7 +112,10 @@ def _register(path: str, symbol: str, target: str) -> None:
 def enabled() -> bool:
     """False where native kernels cannot run: JAXSPEC_NATIVE_KERNELS=0, or a default backend other
     than the CPU."""
-    return os.environ.get(ENV, "").strip().lower() not in ("0", "false", "no", "off") and jax.default_backend() == "cpu"
+    return (
+        os.environ.get(ENV, "").strip().lower() not in ("0", "false", "no", "off")
+        and compile_target.platform() == "cpu"
+    )
 
 
 def _load(source: str, symbol: str, target: str) -> str | None:

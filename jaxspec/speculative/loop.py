@@ -249,7 +249,7 @@ def spec_round(
         acc = _plain_slots(tgt, h, acc, plain, st, state, keys, sampled)
     active = ~state.done
     n_new = acc.num + 1
-    cache = cache.commit_path(acc.path)
+    cache = cache.commit_path(acc.path, backend)
     cache = dataclasses.replace(cache, lengths=cache.lengths + jnp.where(active, n_new, 0))
     # emitted tokens: the accepted path after the root, then the bonus
     i = jnp.arange(steps + 1)[None, :]

@@ -34,6 +34,7 @@ import threading
 import types
 from multiprocessing.connection import Connection
 
+from jaxspec import compile_target
 from jaxspec.errors import JaxspecError
 from jaxspec.speculative.online import (
     NO_STATS,
@@ -54,9 +55,8 @@ def wanted_process(cfg: OnlineConfig, loaded) -> bool:
     was loaded from a path the training process can load it from again."""
     if cfg.process is not None:
         return cfg.process
-    import jax
 
-    return jax.default_backend() == "cpu" and loadable(loaded)
+    return compile_target.platform() == "cpu" and loadable(loaded)
 
 
 def loadable(loaded) -> bool:
