@@ -231,7 +231,7 @@ def test_sampled_drafts_follow_the_target():
     sum of min(p, q), not p(argmax q). Power: thr_acc = 0.8 is rejected on as many samples."""
     from scipy.stats import chisquare
 
-    from jaxspec.sampling import SamplingParams, SamplingTensors
+    from jaxspec.sampling import SamplingParams, SamplingTensors, uniforms
     from jaxspec.speculative.loop import draw_drafts
     from jaxspec.speculative.verify import sample_verify
 
@@ -241,9 +241,9 @@ def test_sampled_drafts_follow_the_target():
     d0, d1 = rng.dirichlet(np.ones(v)), rng.dirichlet(np.ones(v), size=v)  # draft probabilities
     st = SamplingTensors.build([SamplingParams(temperature=temp)] * b, list(range(b)))
     keys = st.keys
-    x1, q0, _ = draw_drafts(jnp.broadcast_to(jnp.asarray(d0, jnp.float32), (b, v)), st.temperature, keys)
+    x1, q0, _ = draw_drafts(jnp.broadcast_to(jnp.asarray(d0, jnp.float32), (b, v)), st.temperature, uniforms(keys))
     x2, q1, _ = draw_drafts(
-        jnp.asarray(d1, jnp.float32)[x1], st.temperature, jax.vmap(jax.random.fold_in, (0, None))(keys, 1)
+        jnp.asarray(d1, jnp.float32)[x1], st.temperature, uniforms(jax.vmap(jax.random.fold_in, (0, None))(keys, 1))
     )
     toks = jnp.stack([jnp.zeros_like(x1), x1, x2], 1)
     tree = build_tree(toks, jnp.broadcast_to(jnp.asarray([0, 0, 1], jnp.int32), (b, 3)), 2)

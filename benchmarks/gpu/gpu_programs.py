@@ -28,7 +28,8 @@ Programs, batch 1 unless named otherwise:
   serve_spec       the server's speculative dispatch (8 slots, 8 rounds); serve_spec_t1
 Printed per program and loop: kernels per iteration by kind, MB copied per iteration, whether a
 command buffer holds the loop (and, where one does not, the top-level thunks), the largest groups
-of kernels by JAX op name. `--json` writes all of it.
+of kernels by JAX op name (and with `--sources N` by the Python line that made them: where to cut
+next). `--json` writes all of it.
 """
 
 from __future__ import annotations
@@ -259,7 +260,7 @@ def compile_programs(builder: Builder, names, dump: str) -> dict:
     return out
 
 
-def describe(name: str, r) -> list[str]:
+def describe(name: str, r, sources: int = 0) -> list[str]:
     lines = [
         f"## {name}: {r.outside} kernels outside loops, {r.command_buffers} command buffer(s) at the top level "
         f"({r.top_level} top-level thunks)"
@@ -273,6 +274,9 @@ def describe(name: str, r) -> list[str]:
         )
         top = ", ".join(f"{op} {n}" for op, n in lp.ops.most_common(8))
         lines.append(f"    largest groups by JAX op: {top}")
+        if sources:
+            top = ", ".join(f"{src} {n}" for src, n in lp.sources.most_common(sources))
+            lines.append(f"    largest groups by source line: {top}")
     if r.breakers:
         lines.append(f"  top level outside command buffers: {', '.join(r.breakers[:12])}")
     return lines
@@ -294,6 +298,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the reports here")
     ap.add_argument("--dump", default=None, help="keep XLA's dump in this directory (default: a temporary one)")
     ap.add_argument("--xla-flags", default="", help="more XLA flags (over jaxspec's GPU defaults)")
+    ap.add_argument("--sources", type=int, default=0, help="also print the N source lines that make the most kernels")
     args = ap.parse_args(argv)
     dump = args.dump or tempfile.mkdtemp(prefix="gpu_programs_")
     setup_env(dump, args.xla_flags)
@@ -312,7 +317,7 @@ def main(argv=None) -> int:
     shape = "" if spec is None else f", tree {spec.num_steps}/{spec.eagle_topk}/{spec.num_draft_tokens}"
     print(f"# {args.model} on {args.target} (attention {builder.backend}{shape}); XLA_FLAGS {os.environ['XLA_FLAGS']}")
     for name, r in reports.items():
-        print("\n".join(describe(name, r)))
+        print("\n".join(describe(name, r, args.sources)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({n: r.as_dict() for n, r in reports.items()}, f, indent=1)

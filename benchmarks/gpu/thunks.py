@@ -96,13 +96,23 @@ def parse(text: str) -> Thunk:
     return root
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 @dataclasses.dataclass
 class Hlo:
-    """What the optimized HLO says of each instruction: shape (for copies) and JAX op name."""
+    """What the optimized HLO says of each instruction: shape (for copies), JAX op name and the
+    source line that made it."""
 
     shapes: dict[str, str]
     op_names: dict[str, str]
     annotations: dict[int, str]  # thunk id -> HLO instruction (thunk_metadata.txt)
+    frames: dict[str, str] = dataclasses.field(default_factory=dict)  # instruction -> "file:line function"
+
+    def source(self, t: Thunk) -> str:
+        """The innermost Python line (relative to the repository) the thunk's instruction came from."""
+        name = self.instruction(t)
+        return self.frames.get(name) or self.frames.get(_printed(name)) or "?"
 
     def instruction(self, t: Thunk) -> str:
         return self.annotations.get(t.id) or t.name
@@ -132,8 +142,41 @@ INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\([^=]*?\)|\S+)\s+[\w\-
 OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
+FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
+TABLE_ROW = re.compile(r'^(\d+) (?:"(.*)"|\{(.*)\})$')
+
+
+def _source_lines(after_opt: str) -> dict[int, str]:
+    """stack frame id -> "file:line function", from the tables an optimized HLO dump starts with
+    (FileNames, FunctionNames, FileLocations, StackFrames)."""
+    tables: dict[str, dict[int, str]] = {}
+    current = None
+    for line in after_opt.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line, {})
+            continue
+        m = TABLE_ROW.match(line) if current is not None else None
+        if m is None:
+            if line.startswith(("HloModule", "ENTRY", "%")):
+                current = None
+            continue
+        current[int(m.group(1))] = m.group(2) if m.group(2) is not None else m.group(3)
+    files, funcs = tables.get("FileNames", {}), tables.get("FunctionNames", {})
+    field = lambda text, key: int(re.search(rf"{key}=(\d+)", text).group(1))
+    out = {}
+    for frame, text in tables.get("StackFrames", {}).items():
+        loc = tables.get("FileLocations", {}).get(field(text, "file_location_id"), "")
+        if not loc:
+            continue
+        path = files.get(field(loc, "file_name_id"), "?")
+        rel = os.path.relpath(path, REPO) if path.startswith(REPO) else path
+        out[frame] = f"{rel}:{field(loc, 'line')} {funcs.get(field(loc, 'function_name_id'), '?')}"
+    return out
+
+
 def read_hlo(after_opt: str, metadata: str) -> Hlo:
-    shapes, op_names = {}, {}
+    shapes, op_names, frames = {}, {}, {}
+    lines = _source_lines(after_opt)
     for line in after_opt.splitlines():
         m = INSTR.match(line)
         if m:
@@ -141,13 +184,16 @@ def read_hlo(after_opt: str, metadata: str) -> Hlo:
             o = OP_NAME.search(line)
             if o:
                 op_names[m.group(1)] = op_names[_printed(m.group(1))] = o.group(1)
+            f = FRAME_ID.search(line)
+            if f and int(f.group(1)) in lines:
+                frames[m.group(1)] = frames[_printed(m.group(1))] = lines[int(f.group(1))]
     ann = {}
     for block in metadata.split("thunk_metadata {")[1:]:
         a = re.search(r'profile_annotation: "([^"]*)"', block)
         i = re.search(r"thunk_id: (\d+)", block)
         if a and i:
             ann[int(i.group(1))] = a.group(1)
-    return Hlo(shapes, op_names, ann)
+    return Hlo(shapes, op_names, ann, frames)
 
 
 def short_op(op_name: str) -> str:
@@ -166,7 +212,8 @@ class Loop:
     copy_bytes: int  # bytes written by kCopy per iteration
     captured: bool  # inside a command buffer (one CUDA graph replays the whole loop)
     nested: int  # loops inside its body
-    ops: collections.Counter
+    ops: collections.Counter  # kernels by JAX op name
+    sources: collections.Counter  # kernels by the Python line that made them
 
 
 @dataclasses.dataclass
@@ -183,31 +230,40 @@ class Report:
         return max(self.loops, key=lambda lp: lp.kernels, default=None)
 
     def as_dict(self) -> dict:
-        loops = [{**vars(lp), "ops": dict(lp.ops.most_common(12))} for lp in self.loops]
+        loops = [
+            {**vars(lp), "ops": dict(lp.ops.most_common(12)), "sources": dict(lp.sources.most_common(40))}
+            for lp in self.loops
+        ]
         return {**vars(self), "loops": loops}
 
 
-def _leaves(nodes: list[Thunk], hlo: Hlo, kinds: collections.Counter, ops: collections.Counter) -> tuple[int, int]:
+@dataclasses.dataclass
+class _Tally:
+    kinds: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    ops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    sources: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+def _leaves(nodes: list[Thunk], hlo: Hlo, tally: _Tally) -> tuple[int, int]:
     """(launches, copied bytes) of `nodes`, descending into command buffers and sequences but not
-    into loops (counted per iteration on their own) or conditionals' branches (the largest)."""
+    into loops (counted per iteration on their own) or conditionals' branches (the largest); each
+    launch tallied by kind, JAX op name and source line."""
     n = b = 0
     for t in nodes:
         if t.kind == "kWhile":
             continue
         if t.kind == "kConditional":
-            best = max(
-                (_leaves(g, hlo, collections.Counter(), collections.Counter()) for g in t.children.values()),
-                default=(0, 0),
-            )
+            best = max((_leaves(g, hlo, _Tally()) for g in t.children.values()), default=(0, 0))
             n, b = n + best[0], b + best[1]
             continue
         if t.kind in CONTAINERS:
-            dn, db = _leaves(t.all_children(), hlo, kinds, ops)
+            dn, db = _leaves(t.all_children(), hlo, tally)
             n, b = n + dn, b + db
             continue
         n += 1
-        kinds[t.kind] += 1
-        ops[short_op(hlo.op_name(t))] += 1
+        tally.kinds[t.kind] += 1
+        tally.ops[short_op(hlo.op_name(t))] += 1
+        tally.sources[hlo.source(t)] += 1
         if t.kind == "kCopy":
             b += hlo.bytes_of(t)
     return n, b
@@ -216,24 +272,14 @@ def _leaves(nodes: list[Thunk], hlo: Hlo, kinds: collections.Counter, ops: colle
 def _loops(nodes: list[Thunk], hlo: Hlo, path: str, captured: bool, out: list[Loop]) -> None:
     for t in nodes:
         if t.kind == "kWhile":
-            kinds: collections.Counter = collections.Counter()
-            ops: collections.Counter = collections.Counter()
+            tally = _Tally()
             here = t.all_children()
-            n, b = _leaves(here, hlo, kinds, ops)
+            n, b = _leaves(here, hlo, tally)
             me = f"{path} > while {t.id}" if path else f"while {t.id}"
             inner: list[Loop] = []
             _loops(here, hlo, me, captured, inner)
-            out.append(
-                Loop(
-                    me,
-                    n,
-                    dict(kinds),
-                    b,
-                    captured,
-                    sum(1 for lp in inner if lp.path.count(">") == me.count(">") + 1),
-                    ops,
-                )
-            )
+            nested = sum(1 for lp in inner if lp.path.count(">") == me.count(">") + 1)
+            out.append(Loop(me, n, dict(tally.kinds), b, captured, nested, tally.ops, tally.sources))
             out.extend(inner)
         elif t.kind in CONTAINERS:
             _loops(t.all_children(), hlo, path, captured or t.kind == "kCommandBuffer", out)
@@ -251,7 +297,7 @@ def profile(sequence: str, after_opt: str = "", metadata: str = "") -> Report:
     top = root.all_children()
     if len(top) == 1 and top[0].kind == "kSequential":
         top = top[0].all_children()
-    outside, _ = _leaves(top, hlo, collections.Counter(), collections.Counter())
+    outside, _ = _leaves(top, hlo, _Tally())
     loops: list[Loop] = []
     _loops(top, hlo, "", False, loops)
     breakers = []

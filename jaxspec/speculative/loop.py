@@ -165,7 +165,10 @@ def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState,
         keys = jax.vmap(jax.random.fold_in)(
             jax.vmap(jax.random.fold_in)(st.keys, jnp.full_like(state.verify_ct, 3)), state.verify_ct
         )
-        draw = lambda probs, j: draw_drafts(probs, st.temperature, jax.vmap(jax.random.fold_in, (0, None))(keys, j))
+        # every step's random numbers at once (one kernel, not a key derivation and a draw per step)
+        fold = lambda j: uniforms(jax.vmap(jax.random.fold_in, (0, None))(keys, j))
+        u = jax.vmap(fold)(jnp.arange(spec.num_steps, dtype=jnp.uint32))  # [num_steps, B]
+        draw = lambda probs, j: draw_drafts(probs, st.temperature, u[j])
     cand = tree_lib.grow(
         state.draft.root_probs,
         root_hidden,
@@ -186,8 +189,8 @@ def draws_drafts(prop: Proposer, spec: SpecConfig, sampled: bool | str) -> bool:
     return bool(sampled) and spec.draft_sampling and not prop.builds_tree
 
 
-def draw_drafts(probs, temperature, keys):
-    """probs [B, Vd] draft distributions, temperature [B], keys [B] -> (ids [B], q [B, Vd], rows [B]):
+def draw_drafts(probs, temperature, u):
+    """probs [B, Vd] draft distributions, temperature [B], u [B] uniforms -> (ids [B], q [B, Vd], rows [B]):
     q = probs sharpened to the row's temperature (probs^(1/T), renormalised), ids drawn from it
     (inverse CDF, one uniform per row: a Gumbel-max draw would make Vd random numbers per row, on a
     2-core CPU 20-40x the time); rows: the rows that sample (temperature > 0; the others take
@@ -200,7 +203,7 @@ def draw_drafts(probs, temperature, keys):
     some = jnp.any(probs > 0, -1, keepdims=True)
     q = jnp.where(some, jax.nn.softmax(logq, -1), jax.nn.one_hot(greedy, probs.shape[-1], dtype=jnp.float32))
     rows = temperature > GREEDY_EPS
-    ids = jnp.where(rows, draw_index(q, uniforms(keys)), greedy)
+    ids = jnp.where(rows, draw_index(q, u), greedy)
     return ids, q, rows
 
 
