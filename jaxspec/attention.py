@@ -103,6 +103,13 @@ def pallas_self_check() -> str | None:
     return problem
 
 
+def whole_buffers(backend: str, cache) -> bool:
+    """Whether attention on `backend` reads `cache`'s full buffers rather than its view's slice
+    (KVCache.read): the Pallas kernels in their one path on one device, which index slots and stop
+    at each slot's length themselves."""
+    return backend == "pallas" and cache.sharding is None
+
+
 def resolve_backend(backend: str | None) -> str:
     """None/"auto" -> the platform default; otherwise checked against BACKENDS (ValueError)."""
     if backend in (None, "auto"):

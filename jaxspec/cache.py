@@ -103,9 +103,15 @@ class KVCache:
     def _rows(self, b: int):
         return (jnp.arange(b) if self.rows is None else self.rows)[:, None]
 
-    def read(self, layer: int) -> tuple[jax.Array, jax.Array]:
-        """The (k, v) attention sees for `layer`: [B, S, Hkv, D], or [n, span, Hkv, D] in a view."""
+    def read(self, layer: int, whole: bool = False) -> tuple[jax.Array, jax.Array]:
+        """The (k, v) attention sees for `layer`: [B, S, Hkv, D], or [n, span, Hkv, D] in a view.
+        whole: the full buffers where the view's slots are their first rows (a full cache, a prefix
+        view), for the Pallas kernels: they index a slot's row themselves and read only its first
+        `length` columns, and a slice of a kernel's operand would be copied out first (on a GPU,
+        every layer's K and V at every step of the server)."""
         k, v = self.k[layer], self.v[layer]
+        if whole and (self.rows is None or self.prefix):
+            return k, v
         if self.prefix:
             n = self.lengths.shape[0]
             k, v = k[:n], v[:n]

@@ -204,12 +204,14 @@ def _compiler_params(num_warps: int):
 
 
 def qkv_rope_write_reference(x, w, norm_w, bias, positions, inv_freq, kc, vc, slot, col, *, nh, nkv, eps):
-    """Pure jnp. x [M, K]; w [K, (nh + 2 nkv) D]; positions, slot, col [M] int32; inv_freq [D/2];
+    """Pure jnp. x [M, K] (RMSNorm-ed with norm_w [K] unless it is None); w [K, (nh + 2 nkv) D];
+    positions, slot, col [M] int32; inv_freq [D/2];
     kc, vc [B, S, Hkv, D]. Returns (q [M, nh * D] after RoPE, kc, vc with row m's k (after RoPE) and v
     written at [slot[m], col[m]]; columns past S are dropped)."""
     m = x.shape[0]
     d = w.shape[1] // (nh + 2 * nkv)
-    y = rows_matmul_reference(x, w, prologue="rmsnorm", norm_w=norm_w, eps=eps, bias=bias).reshape(m, -1, d)
+    prologue = None if norm_w is None else "rmsnorm"
+    y = rows_matmul_reference(x, w, prologue=prologue, norm_w=norm_w, eps=eps, bias=bias).reshape(m, -1, d)
     ang = positions[:, None].astype(jnp.float32) * inv_freq  # [M, D/2]
     cos, sin = jnp.cos(ang)[:, None], jnp.sin(ang)[:, None]
     lo, hi = jnp.split(y[:, : nh + nkv].astype(jnp.float32), 2, axis=-1)
@@ -225,8 +227,8 @@ def qkv_rope_write_reference(x, w, norm_w, bias, positions, inv_freq, kc, vc, sl
 def qkv_rope_write(
     x, w, norm_w, bias, positions, inv_freq, kc, vc, slot, col, *, nh, nkv, eps, interpret=False, num_warps=None
 ):
-    """RMSNorm + the q/k/v projection + RoPE + the KV write in one kernel: `qkv_rope_write_reference`'s
-    contract, with kc and vc updated in place (donated). One program per head (block_n = D): q heads
+    """RMSNorm (norm_w None: none) + the q/k/v projection + RoPE + the KV write in one kernel:
+    `qkv_rope_write_reference`'s contract, with kc and vc updated in place (donated). One program per head (block_n = D): q heads
     write q, k heads their slot's cache column of kc, v heads of vc."""
     m, k = x.shape
     d = kc.shape[-1]
@@ -235,22 +237,24 @@ def qkv_rope_write(
     if not supported(m, k, n, block_k, d) or n != (nh + 2 * nkv) * d or d % 2:
         raise ValueError(f"qkv_rope_write: unsupported shapes M={m} K={k} N={n} D={d}")
     full = lambda a: pl.BlockSpec(a.shape, lambda j: (0,) * a.ndim)
-    inputs = [x, w, norm_w, positions, inv_freq.astype(jnp.float32), slot, col, kc, vc]
-    in_specs = [
-        full(x),
-        pl.BlockSpec((k, d), lambda j: (0, j)),
-        full(norm_w),
-        full(positions),
-        full(inv_freq),
-        full(slot),
-        full(col),
-        full(kc),
-        full(vc),
-    ]
+    inputs = [x, w, positions, inv_freq.astype(jnp.float32), slot, col, kc, vc]
+    in_specs = [full(x), pl.BlockSpec((k, d), lambda j: (0, j)), *map(full, inputs[2:])]
+    if norm_w is not None:
+        inputs.append(norm_w)
+        in_specs.append(full(norm_w))
     if bias is not None:
         inputs.append(bias)
         in_specs.append(pl.BlockSpec((d,), lambda j: (j,)))
-    kernel = functools.partial(_qkv_kernel, nh=nh, nkv=nkv, eps=eps, k=k, block_k=block_k, has_bias=bias is not None)
+    kernel = functools.partial(
+        _qkv_kernel,
+        nh=nh,
+        nkv=nkv,
+        eps=eps,
+        k=k,
+        block_k=block_k,
+        has_norm=norm_w is not None,
+        has_bias=bias is not None,
+    )
     return pl.pallas_call(
         kernel,
         grid=(nh + 2 * nkv,),
@@ -261,15 +265,16 @@ def qkv_rope_write(
             jax.ShapeDtypeStruct(kc.shape, kc.dtype),
             jax.ShapeDtypeStruct(vc.shape, vc.dtype),
         ],
-        input_output_aliases={7: 1, 8: 2},
+        input_output_aliases={6: 1, 7: 2},
         compiler_params=_compiler_params(num_warps or _warps(m)),
         interpret=interpret,
         name="qkv_rope_write",
     )(*inputs)
 
 
-def _qkv_kernel(*refs, nh, nkv, eps, k, block_k, has_bias):
-    x_ref, w_ref, nw_ref, pos_ref, f_ref, slot_ref, col_ref, _kc_in, _vc_in, *rest = refs
+def _qkv_kernel(*refs, nh, nkv, eps, k, block_k, has_norm, has_bias):
+    x_ref, w_ref, pos_ref, f_ref, slot_ref, col_ref, _kc_in, _vc_in, *rest = refs
+    nw_ref = rest.pop(0) if has_norm else None
     b_ref = rest.pop(0) if has_bias else None
     q_ref, kc_ref, vc_ref = rest
     from jax.experimental.pallas import triton as pltriton
@@ -278,9 +283,11 @@ def _qkv_kernel(*refs, nh, nkv, eps, k, block_k, has_bias):
     m, d = q_ref.shape
     half = d // 2
     dtype = x_ref.dtype
-    scale = _rms_scale(x_ref, k, block_k, eps)
+    scale = _rms_scale(x_ref, k, block_k, eps) if has_norm else None
 
     def column(i):
+        if not has_norm:
+            return x_ref[:, pl.ds(i, 1)]
         return (x_ref[:, pl.ds(i, 1)].astype(jnp.float32) * scale).astype(dtype) * nw_ref[pl.ds(i, 1)][None, :]
 
     lo_row = lambda i: w_ref[pl.ds(i, 1), pl.ds(0, half)]

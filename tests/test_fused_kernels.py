@@ -112,3 +112,32 @@ def test_decoder_layer_fused_matches_unfused():
         y, c = jax.jit(lambda x, c: layer(x, pos, inv, c, 0, None, 0, "pallas"))(x, cache)
     assert close(y, y_ref, 1e-4)
     assert close(c.k[0], c_ref.k[0], 1e-4) and close(c.v[0], c_ref.v[0], 1e-4)
+
+
+def test_eagle3_head_fused_matches_unfused():
+    """An EAGLE-3 head on the pallas backend runs its layer fused (fc, q/k/v with RoPE and the KV
+    write, o, gate/up, down as kernels) and gives the unfused head's outputs and cache."""
+    from flax import nnx
+
+    from jaxspec.cache import KVCache
+    from jaxspec.config import ModelConfig
+    from jaxspec.models import fused_layer
+    from jaxspec.models.eagle import Eagle3Head
+    from jaxspec.models.llama import fuse_projections
+
+    cfg = ModelConfig("llama", 97, 64, 128, 1, 4, 2, 16, 1e-5, 10000.0)
+    head = fuse_projections(Eagle3Head(cfg, 32, jnp.float32, rngs=nnx.Rngs(0)))
+    b, t = 2, 4
+    embeds = arr(b, t, 64, dtype=jnp.float32)
+    cache = KVCache.create(cfg, b, 32, jnp.float32)
+    cache = cache.__class__(cache.k, cache.v, jnp.asarray([3, 9], jnp.int32))
+    pos = cache.lengths[:, None] + jnp.arange(t)[None]
+    assert fused_layer.eagle3_applies(head, b * t, "pallas", cache)
+    for width in (3 * 64, 64):  # target features, then a fed-back hidden state
+        hidden = arr(b, t, width, dtype=jnp.float32)
+        with jax.default_matmul_precision("highest"):
+            ref = head(embeds, hidden, pos, cache, backend="xla")
+            out = jax.jit(lambda e, h, c: head(e, h, pos, c, backend="pallas"))(embeds, hidden, cache)
+        for o, r in zip(out[:2], ref[:2]):
+            assert close(o, r, 1e-4)
+        assert close(out[2].k[0], ref[2].k[0], 1e-4) and close(out[2].v[0], ref[2].v[0], 1e-4)

@@ -122,6 +122,16 @@ def test_batched_greedy_identical_to_offline(models, reference, algo, draft):
     assert sched.running == 0 and sched.queue_depth == 0
 
 
+@pytest.mark.parametrize("algo,draft", [(None, None), ("EAGLE3", "eagle3")])
+def test_pallas_backend_batched_greedy_identical_to_offline(models, reference, algo, draft):
+    """The GPU's path, its kernels interpreted: fused layers, attention over the slots' whole KV
+    buffers (not the view's slice), the round's KV commit kernel; the greedy outputs are the xla
+    engine's."""
+    eng = engine(models, algo, draft, attention_backend="pallas")
+    out, _ = serve(eng, PROMPTS[:3], GREEDY)
+    assert [r["output_ids"] for r in out] == reference[:3]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("algo,draft", [(None, None), ("EAGLE3", "eagle3")])
 def test_seeded_sampling_matches_offline(models, algo, draft):

@@ -26,6 +26,7 @@ from flax import nnx
 from jaxspec.cache import KVCache
 from jaxspec.config import EAGLE_ARCHS, ModelConfig, rope_inv_freq
 from jaxspec.errors import JaxspecError
+from jaxspec.models import fused_layer
 from jaxspec.models.llama import MLP, Attention, DecoderLayer, Linear, RMSNorm
 
 
@@ -97,12 +98,14 @@ class Eagle3Head(nnx.Module):
     def __call__(self, embeds, hidden, positions, cache: KVCache, local_mask=None, offset=0, backend="xla"):
         """embeds: [B, T, H]; hidden: [B, T, 3H] (target features) or [B, T, H] (fed back).
         Returns (normed hidden [B, T, H] for lm_head, pre-norm hidden to feed back, cache)."""
+        inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
+        if fused_layer.eagle3_applies(self, embeds.shape[0] * embeds.shape[1], backend, cache):  # a GPU: kernels
+            return fused_layer.run_eagle3(self, embeds, hidden, positions, inv_freq, cache, local_mask, offset, backend)
         if hidden.shape[-1] != embeds.shape[-1]:
             hidden = self.fc(hidden.astype(embeds.dtype))
         hidden = hidden.astype(embeds.dtype)
         m = self.midlayer
         x = jnp.concatenate([m.input_layernorm(embeds), m.hidden_norm(hidden)], -1)
-        inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
         a, cache = m.self_attn(x, positions, inv_freq, cache, 0, local_mask, offset, backend)
         residual = a + hidden
         out = m.mlp(m.post_attention_layernorm(residual)) + residual

@@ -21,7 +21,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxspec import compile_target
-from jaxspec.attention import attention
+from jaxspec.attention import attention, whole_buffers
 from jaxspec.pallas_kernels import rows_matmul as _rm
 
 # The largest projection (inputs x outputs) fused: below about ten million multiply-adds a row,
@@ -35,10 +35,9 @@ def _plain(lin: Any) -> bool:
     return lin.scale is None and lin.gguf is None and not lin.act_int8 and not lin.out_major
 
 
-def applies(layer: Any, rows: int, backend: str, cache: Any) -> bool:
-    """Whether `layer` (a DecoderLayer) runs fused for `rows` rows on `backend` with `cache`."""
-    attn, mlp = layer.self_attn, layer.mlp
-    if not backend.startswith("pallas") or cache.sharding is not None or layer.input_layernorm is None:
+def _takes(attn: Any, mlp: Any, rows: int, backend: str, cache: Any) -> bool:
+    """Whether an attention + MLP pair runs fused for `rows` rows on `backend` with `cache`."""
+    if not backend.startswith("pallas") or cache.sharding is not None:
         return False
     if attn.shards != 1 or mlp.shards != 1 or attn.cfg.head_dim % 2:
         return False
@@ -46,13 +45,25 @@ def applies(layer: Any, rows: int, backend: str, cache: Any) -> bool:
     blocks = [(attn.qkv_proj, attn.cfg.head_dim)] + [
         (lin, _rm.BLOCK_N) for lin in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     ]
-    for lin, block_n in blocks:
-        k, n = lin.kernel.shape
-        if not _plain(lin) or lin.kernel.dtype != cache.k[0].dtype or k * n > MAX_WEIGHT:
-            return False
-        if not _rm.supported(rows, k, n, _rm.default_block_k(rows, k), block_n):
-            return False
-    return True
+    return all(_fits(lin, rows, block_n, cache.k[0].dtype) for lin, block_n in blocks)
+
+
+def _fits(lin: Any, rows: int, block_n: int, dtype) -> bool:
+    k, n = lin.kernel.shape
+    if not _plain(lin) or lin.kernel.dtype != dtype or k * n > MAX_WEIGHT:
+        return False
+    return _rm.supported(rows, k, n, _rm.default_block_k(rows, k), block_n)
+
+
+def applies(layer: Any, rows: int, backend: str, cache: Any) -> bool:
+    """Whether `layer` (a DecoderLayer) runs fused for `rows` rows on `backend` with `cache`."""
+    return layer.input_layernorm is not None and _takes(layer.self_attn, layer.mlp, rows, backend, cache)
+
+
+def eagle3_applies(head: Any, rows: int, backend: str, cache: Any) -> bool:
+    """Whether an EAGLE-3 head (models/eagle.py Eagle3Head) runs its layer fused for `rows` rows."""
+    m = head.midlayer
+    return _takes(m.self_attn, m.mlp, rows, backend, cache) and _fits(head.fc, rows, _rm.BLOCK_N, cache.k[0].dtype)
 
 
 def _mm(x, lin, **kw):
@@ -62,7 +73,8 @@ def _mm(x, lin, **kw):
 
 
 def _attention_in(attn: Any, norm: Any, rows, positions, inv_freq, cache, idx: int, offset):
-    """RMSNorm, q/k/v, RoPE and the KV write as one kernel: rows [M = B * T, H] -> (q [B, T, Nh, D], cache)."""
+    """RMSNorm (norm None: none), q/k/v, RoPE and the KV write as one kernel: rows [M = B * T, Hin] ->
+    (q [B, T, Nh, D], cache)."""
     cfg, (b, t) = attn.cfg, positions.shape
     slot = jnp.broadcast_to(cache.slots(b)[:, None], (b, t)).reshape(-1)
     col = ((cache.lengths + offset)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]).reshape(-1)
@@ -70,7 +82,7 @@ def _attention_in(attn: Any, norm: Any, rows, positions, inv_freq, cache, idx: i
     q, k, v = _rm.qkv_rope_write(
         rows,
         lin.kernel[...],
-        norm.weight[...],
+        None if norm is None else norm.weight[...],
         None if lin.bias is None else lin.bias[...],
         positions.reshape(-1).astype(jnp.int32),
         inv_freq,
@@ -80,22 +92,46 @@ def _attention_in(attn: Any, norm: Any, rows, positions, inv_freq, cache, idx: i
         col.astype(jnp.int32),
         nh=cfg.num_heads,
         nkv=cfg.num_kv_heads,
-        eps=norm.eps,
+        eps=1e-6 if norm is None else norm.eps,
         interpret=compile_target.platform() != "gpu",
     )
     return q.reshape(b, t, cfg.num_heads, cfg.head_dim), cache.with_layer(idx, k, v)
 
 
-def run(layer: Any, x, positions, inv_freq, cache, idx: int, local_mask, offset, backend):
-    """The layer's forward (DecoderLayer.__call__'s contract): x [B, T, H] -> (x [B, T, H], cache)."""
+def _block(layer: Any, x_in, residual, positions, inv_freq, cache, idx: int, local_mask, offset, backend, norm):
+    """Attention and MLP with their residuals: x_in [M, Hin] (normed by `norm` in the q/k/v kernel
+    unless None), residual [M, H] -> (out [M, H], cache)."""
     attn, mlp, cfg = layer.self_attn, layer.mlp, layer.self_attn.cfg
-    b, t, h = x.shape
-    rows = x.reshape(b * t, h)
-    q, cache = _attention_in(attn, layer.input_layernorm, rows, positions, inv_freq, cache, idx, offset)
-    k, v = cache.read(idx)
+    q, cache = _attention_in(attn, norm, x_in, positions, inv_freq, cache, idx, offset)
+    k, v = cache.read(idx, whole=whole_buffers(backend, cache))
     o = attention(q, k, v, cache.lengths, local_mask, cfg.sliding_window, offset, backend, cache.sharding)
-    rows = _mm(o.reshape(b * t, -1), attn.o_proj, residual=rows)
+    rows = _mm(o.reshape(x_in.shape[0], -1), attn.o_proj, residual=residual)
     post = layer.post_attention_layernorm
     gu = _mm(rows, mlp.gate_up_proj, norm_w=post.weight[...], prologue="rmsnorm", eps=post.eps)
-    rows = _mm(gu, mlp.down_proj, residual=rows, prologue="swiglu")
-    return rows.reshape(b, t, h), cache
+    return _mm(gu, mlp.down_proj, residual=rows, prologue="swiglu"), cache
+
+
+def run(layer: Any, x, positions, inv_freq, cache, idx: int, local_mask, offset, backend):
+    """The layer's forward (DecoderLayer.__call__'s contract): x [B, T, H] -> (x [B, T, H], cache)."""
+    b, t, h = x.shape
+    rows = x.reshape(b * t, h)
+    out, cache = _block(
+        layer, rows, rows, positions, inv_freq, cache, idx, local_mask, offset, backend, layer.input_layernorm
+    )
+    return out.reshape(b, t, h), cache
+
+
+def run_eagle3(head: Any, embeds, hidden, positions, inv_freq, cache, local_mask, offset, backend):
+    """Eagle3Head.__call__'s contract, its layer fused: embeds [B, T, H], hidden [B, T, 3H] or [B, T, H]
+    -> (normed hidden [B, T, H], pre-norm hidden [B, T, H], cache). The two input norms and their
+    concatenation stay XLA's (one fusion); fc, q/k/v (+ RoPE + KV write), o, gate/up, down are
+    the kernels."""
+    b, t, h = embeds.shape
+    hidden = hidden.reshape(b * t, -1).astype(embeds.dtype)
+    if hidden.shape[-1] != h:
+        hidden = _mm(hidden, head.fc)
+    m = head.midlayer
+    x = jnp.concatenate([m.input_layernorm(embeds.reshape(b * t, h)), m.hidden_norm(hidden)], -1)
+    out, cache = _block(m, x, hidden, positions, inv_freq, cache, 0, local_mask, offset, backend, None)
+    out = out.reshape(b, t, h)
+    return head.norm(out), out, cache

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxspec import gguf, native
-from jaxspec.attention import attention
+from jaxspec.attention import attention, whole_buffers
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig, rope_inv_freq
 from jaxspec.errors import JaxspecError
@@ -223,9 +223,8 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         cache = cache.write(layer, k, v, cache.lengths + offset)
-        o = attention(
-            q, *cache.read(layer), cache.lengths, local_mask, cfg.sliding_window, offset, backend, cache.sharding
-        )
+        k, v = cache.read(layer, whole=whole_buffers(backend, cache))
+        o = attention(q, k, v, cache.lengths, local_mask, cfg.sliding_window, offset, backend, cache.sharding)
         return o.reshape(b, t, cfg.num_heads * cfg.head_dim), cache
 
     def __call__(self, x, positions, inv_freq, cache: KVCache, layer: int, local_mask, offset, backend):
