@@ -52,6 +52,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxspec import compile_target, native
 from jaxspec.pallas_kernels import decode_attention as _decode
+from jaxspec.pallas_kernels import kv_commit as _commit
+from jaxspec.pallas_kernels import rows_matmul as _rows
 from jaxspec.pallas_kernels import tree_attention as _tree
 
 BACKENDS = ("xla", "pallas")
@@ -70,8 +72,10 @@ def default_backend() -> str:
 
 @functools.cache
 def pallas_self_check() -> str | None:
-    """Runs both kernels once on small random inputs (bf16, GQA 4, a tree mask, ragged lengths) and
-    compares with the reference. Returns None if they agree, else what went wrong (logged)."""
+    """Runs the GPU path's kernels once on small random inputs and compares each with its reference:
+    both attention kernels (bf16, GQA 4, a tree mask, ragged lengths), and the fused layer's
+    projection, q/k/v (RoPE, KV write) and KV commit kernels (jaxspec/models/fused_layer.py). Returns
+    None if they agree, else what went wrong (logged): then none of them is used."""
     import numpy as np
 
     try:
@@ -94,13 +98,39 @@ def pallas_self_check() -> str | None:
                 _decode.decode_attention_reference(q[:, 0], k, v, kv_len),
             ),
         ]
+        pairs += _fused_pairs(rng, interpret)
         err = max(float(jnp.max(jnp.abs(o.astype(jnp.float32) - r.astype(jnp.float32)))) for o, r in pairs)
         problem = None if err < 5e-2 else f"max abs error {err:.3g} against the reference"
     except Exception as e:  # a lowering/compile failure on this GPU or JAX version
         problem = f"{type(e).__name__}: {e}".splitlines()[0][:300]
     if problem:
-        logger.warning("pallas attention kernels failed their self-check (%s); using the xla backend", problem)
+        logger.warning("pallas kernels failed their self-check (%s); using the xla backend", problem)
     return problem
+
+
+def _fused_pairs(rng, interpret: bool) -> list:
+    """(kernel output, reference) pairs of the fused layer's kernels on small bf16 inputs (|y| ~ 1)."""
+    m, k, nh, nkv, d = 4, 64, 4, 2, 32
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, (nh + 2 * nkv) * d)) * 0.1, jnp.bfloat16)
+    nw = jnp.asarray(1 + 0.1 * rng.standard_normal(k), jnp.bfloat16)
+    pairs = [
+        (
+            _rows.rows_matmul(x, w, nw, prologue="rmsnorm", eps=1e-5, interpret=interpret),
+            _rows.rows_matmul_reference(x, w, prologue="rmsnorm", norm_w=nw, eps=1e-5),
+        )
+    ]
+    cache = jnp.asarray(rng.standard_normal((2, 32, nkv, d)), jnp.bfloat16)
+    pos, slot, col = jnp.asarray([3, 9, 17, 30], jnp.int32), jnp.asarray([0, 1, 0, 1], jnp.int32), jnp.arange(4)
+    inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, d, 2) / d))
+    args = (x, w, nw, None, pos, inv_freq)
+    out = _rows.qkv_rope_write(*args, cache + 0, cache + 1, slot, col, nh=nh, nkv=nkv, eps=1e-5, interpret=interpret)
+    ref = _rows.qkv_rope_write_reference(*args, cache, cache + 1, slot, col, nh=nh, nkv=nkv, eps=1e-5)
+    pairs += list(zip(out, ref))
+    src, dst = jnp.asarray([[5, 7, 6]]), jnp.asarray([[5, 6, 7]])
+    moved = _commit.commit((cache + 0,), jnp.asarray([1]), src, dst, interpret=interpret)
+    pairs.append((moved[0], _commit.commit_reference((cache,), jnp.asarray([1]), src, dst)[0]))
+    return pairs
 
 
 def whole_buffers(backend: str, cache) -> bool:
