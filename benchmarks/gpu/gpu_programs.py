@@ -24,8 +24,10 @@ Programs, batch 1 unless named otherwise:
   decode           the plain decode loop, greedy; decode_t1 at temperature 1
   spec_run         the whole speculation (first token and every round), greedy; spec_run_t1
   spec_block       adaptive speculation's block of rounds, greedy; spec_block_t1
-  serve_decode     the server's plain dispatch (8 slots, 8 steps a dispatch, span 512)
-  serve_spec       the server's speculative dispatch (8 slots, 8 rounds); serve_spec_t1
+  serve_decode     the server's plain dispatch (8 slots, 8 steps a dispatch, span 512), with its sampler
+  serve_spec       the server's speculative dispatch (8 slots, 8 rounds), with its sampler (the
+                   program it serves greedy and sampled calls with); serve_spec_t1: its
+                   temperature-only twin
 Printed per program and loop: kernels per iteration by kind, MB copied per iteration, whether a
 command buffer holds the loop (and, where one does not, the top-level thunks), the largest groups
 of kernels by JAX op name (and with `--sources N` by the Python line that made them: where to cut
@@ -177,6 +179,8 @@ class Builder:
         sampled = sampling_kind(params)
         st = self.sds(SamplingTensors.build(params, [0], None))
         i32 = lambda *s: self.sds(np.zeros(s, np.int32))
+        if (name.startswith("spec_") or name.startswith("serve_spec")) and self.models is None:
+            raise ValueError(f"{name} needs a draft; this model has none (plain programs only)")
         if name.startswith("serve_"):
             return self._serve(name, sampled)
         spec = None if self.spec is None else self.spec.for_kind(bool(sampled))
@@ -190,8 +194,6 @@ class Builder:
         if name.startswith("decode"):
             args = (self.target_models, cache, last_h, i32(b, PROMPT), i32(b), st, i32(b), i32(b, 4))
             return decode, args, dict(buf=NEW, sampled=sampled, top_logprobs=None)
-        if self.models is None:
-            raise ValueError(f"{name} needs a draft; this model has none (plain programs only)")
         prop = self.models.draft
         dcache = self.shapes(prop.make_cache, b, s_len, jnp.bfloat16)
         feat = (3 if prop.capture_layers else 1) * cfg.hidden_size if prop.uses_hidden else 1
@@ -216,8 +218,6 @@ class Builder:
         spec = None
         models = self.target_models
         if name.startswith("serve_spec"):
-            if self.models is None:
-                raise ValueError(f"{name} needs a draft; this model has none (plain programs only)")
             spec, models = self.spec.for_kind(False), self.models
         prop = None if spec is None else models.draft
         window = k * ((spec.num_steps if spec else 0) + 1)
@@ -300,16 +300,20 @@ def main(argv=None) -> int:
     ap.add_argument("--xla-flags", default="", help="more XLA flags (over jaxspec's GPU defaults)")
     ap.add_argument("--sources", type=int, default=0, help="also print the N source lines that make the most kernels")
     args = ap.parse_args(argv)
+    unknown = [n for n in (args.programs or "").split(",") if n and n not in PROGRAMS]
+    if unknown:
+        ap.error(f"unknown program(s) {', '.join(unknown)}; available: {', '.join(PROGRAMS)}")
+    if args.target not in TARGETS and not os.path.isfile(args.target):
+        ap.error(f"--target {args.target}: neither {' nor '.join(TARGETS)} nor a file")
     dump = args.dump or tempfile.mkdtemp(prefix="gpu_programs_")
     setup_env(dump, args.xla_flags)
     sys.path.insert(0, HERE)
     try:
         builder = Builder(args.model, topology_mesh(args.target), args.model_path, args.draft)
         names = args.programs.split(",") if args.programs else [p for p in PROGRAMS if builder.models or p in PLAIN]
-        unknown = [n for n in names if n not in PROGRAMS]
-        if unknown:
-            ap.error(f"unknown program(s) {', '.join(unknown)}; available: {', '.join(PROGRAMS)}")
         reports = compile_programs(builder, names, dump)
+    except ValueError as e:  # a program this model cannot build (a draft's, without one)
+        ap.error(str(e))
     finally:
         if args.dump is None:
             shutil.rmtree(dump, ignore_errors=True)
