@@ -94,7 +94,7 @@ class KVCache:
         dst = self.lengths[:, None] + jnp.arange(t)[None, :]
         if backend.startswith("pallas") and self.sharding is None:
             interpret = compile_target.platform() != "gpu"
-            bufs = kv_commit.commit(self.k + self.v, rows[:, 0], src, dst, interpret=interpret)
+            bufs = kv_commit.commit(self.k + self.v, self.slots(b), src, dst, interpret=interpret)
             n = len(self.k)
             return dataclasses.replace(self, k=tuple(bufs[:n]), v=tuple(bufs[n:]))
         move = lambda x: x.at[rows, dst].set(x[rows, src], mode="drop")

@@ -7,7 +7,8 @@ things that break a GPU dispatch into pieces.
 Counted per program (the `*after_optimizations.txt` modules of an XLA dump):
   kernels   fusions, custom calls (cuBLAS/cuDNN GEMMs, Triton/Pallas kernels) and copies outside
             loops, and per iteration of each `while` loop (a decode step, a speculation round)
-  command buffers   `command_buffer` computations: kernel sequences XLA:GPU records as one CUDA graph
+  command buffers   kernel sequences XLA:GPU records as one CUDA graph, from the module's dumped
+            thunk sequence (thunks.py; the optimized HLO never names them)
   breakers  `conditional` (a predicate copied to the host), host callbacks, `sort`,
             infeed/outfeed/send/recv
   copies    bytes moved by `copy` per loop iteration: a KV cache copied whole at every step (an
@@ -109,10 +110,14 @@ def profile(path: str) -> dict:
                     loops.append(
                         (b, kernels_in(b, comps, set()), trip.group(1) if trip else "?", copied_bytes(b, comps, set()))
                     )
+    import thunks
+
+    dump, module = os.path.dirname(path), ".".join(os.path.basename(path).split(".")[:2])
+    has_sequence = module in thunks.module_files(dump)
     return dict(
         entry_kernels=kernels_in(entry, comps, set()),
         loops=loops,
-        command_buffers=sum(1 for c in comps if "command_buffer" in c),
+        command_buffers=thunks.profile_module(dump, module).command_buffers if has_sequence else 0,
         conditional=text.count(" conditional("),
         callbacks=len(re.findall(r'custom_call_target="[^"]*callback[^"]*"', text)),
         sort=text.count(" sort("),
