@@ -1,7 +1,9 @@
 """GGUF (llama.cpp) files as an HF-named source.
 
 Tensors are dequantised with the `gguf` package. llama.cpp's converter permutes the rows of the
-Llama q/k projections (interleaved RoPE pairs); `unpermute` undoes it. Qwen2 files are not permuted.
+Llama q/k projections (interleaved RoPE pairs); `unpermute` undoes it. Qwen2 and Qwen3 files are
+not permuted. Qwen3's per-head q/k norms are `blk.N.attn_q_norm` / `attn_k_norm`, and its head
+dimension (which may differ from embedding_length / head_count) is `qwen3.attention.key_length`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ import numpy as np
 from jaxspec.convert.source import Source
 from jaxspec.errors import JaxspecError
 
-ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM")}
+ARCHS = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
 
 # GGUF per-layer name -> HF per-layer name.
 LAYER_NAMES = {
@@ -21,6 +27,8 @@ LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -53,6 +61,16 @@ def _field(reader, key, default=None):
     if f is None:
         return default
     return f.contents()
+
+
+def _head_dim(path: str, g) -> int | None:
+    """The head dimension a file states (attention.key_length, else rope.dimension_count), or None."""
+    key, value, rope = g("attention.key_length"), g("attention.value_length"), g("rope.dimension_count")
+    if key and value and key != value:
+        raise JaxspecError(f"{path}: key_length {key} != value_length {value} is not supported")
+    if key and rope and key != rope:
+        raise JaxspecError(f"{path}: RoPE over {rope} of {key} head dimensions (partial rotary) is not supported")
+    return int(key or rope) if key or rope else None
 
 
 def open_gguf(path: str) -> Source:
@@ -91,8 +109,9 @@ def open_gguf(path: str) -> Source:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
-    if g("rope.dimension_count") and g("rope.dimension_count") != config["hidden_size"] // heads:
-        config["head_dim"] = int(g("rope.dimension_count"))
+    head_dim = _head_dim(path, g)
+    if head_dim:  # stated even where it is hidden / heads: HF's Qwen3Config defaults to 128 without it
+        config["head_dim"] = head_dim
     names = {}
     unknown = []
     for n in tensors:

@@ -24,10 +24,12 @@ SUPPORTED = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",  # dense Qwen3: per-head RMSNorm on q and k (qk_norm), no q/k/v bias
     "mimo": "MiMoForCausalLM",  # Qwen2 layers (+ MTP layers, used as a draft: models/mtp.py)
 }
 QWEN2_LIKE = ("qwen2", "mimo")  # q/k/v always carry a bias, o_proj never
 SUPPORTED_ROPE = ("default", "linear", "llama3")
+FULL = frozenset({"full_attention"})  # the one layer type (HF config `layer_types`) read
 # EAGLE draft heads' architectures class name -> speculative algorithm (models/eagle.py builds them)
 EAGLE_ARCHS = {"LlamaForCausalLMEagle": "EAGLE", "LlamaForCausalLMEagle3": "EAGLE3"}
 
@@ -52,6 +54,7 @@ class ModelConfig:
     qkv_bias: bool = False  # bias on q/k/v projections (Qwen2, or Llama attention_bias)
     o_bias: bool = False  # bias on o_proj (Llama attention_bias only)
     mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm [head_dim] on each query and key head before RoPE (Qwen3)
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -92,8 +95,8 @@ class ModelConfig:
         sliding = None
         if mt == "mistral":
             sliding = d.get("sliding_window")
-        elif mt == "qwen2" and d.get("use_sliding_window"):
-            raise JaxspecError("Qwen2 with use_sliding_window=true is not supported")
+        elif mt in ("qwen2", "qwen3") and (d.get("use_sliding_window") or set(d.get("layer_types") or ()) - FULL):
+            raise JaxspecError(f"{archs[0]} with sliding-window layers (use_sliding_window=true) is not supported")
         attn_bias = bool(d.get("attention_bias", False))
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
@@ -117,6 +120,7 @@ class ModelConfig:
             qkv_bias=(mt in QWEN2_LIKE) or attn_bias,
             o_bias=attn_bias and mt not in QWEN2_LIKE,
             mlp_bias=bool(d.get("mlp_bias", False)),
+            qk_norm=mt == "qwen3",
             sliding_window=sliding,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -159,7 +163,7 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 # ---- speculative decoding ------------------------------------------------------------------------
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
 NGRAM_DEFAULT_DRAFT_TOKENS = 12  # SGLang's default speculative_num_draft_tokens for NGRAM
 
 

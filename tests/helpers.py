@@ -1,6 +1,6 @@
 """What several test modules share, in one place instead of imports from conftest.py or from other
 test modules: tiny random HF models of each family built with torch (the reference) and random
-EAGLE / EAGLE-3 heads and MTP tensors for them; the tiny speculative-decoding setup of
+EAGLE / EAGLE-3 heads and MTP tensors for them; GGUF files of such models (`write_gguf`); the tiny speculative-decoding setup of
 tests/test_speculative.py (a 16-token vocabulary, its prompts, the `models` and `plain` fixtures,
 an `engine` factory) with the chi-square check that sampled tokens follow the target distribution;
 a real uvicorn server over a tiny target with SmolLM2's tokenizer (the `model_dirs` fixture,
@@ -63,6 +63,15 @@ FAMILIES = {
     ),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6, head_dim=16)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    # per-head q/k norms; head_dim 32 != hidden / heads = 16
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen3_untied_linear": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            head_dim=32, tie_word_embeddings=False, rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=1e6)
+        ),
+    ),
 }
 
 
@@ -158,6 +167,86 @@ def save_eagle_head(
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return str(path)
+
+
+# ---- GGUF files (tests/test_gguf_blocks.py, tests/test_qwen3.py) ----------------------------------
+
+
+def quantize(w: np.ndarray, kind: str) -> np.ndarray:
+    """w [..., I] float -> GGUF blocks of type `kind` (Q4_0, Q8_0, ...) by the `gguf` package."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as q
+
+    return q(np.ascontiguousarray(w, np.float32), getattr(GGMLQuantizationType, kind))
+
+
+# HF per-layer module -> llama.cpp's GGUF tensor name part (q/k norms: Qwen3 only)
+GGUF_PARTS = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def write_gguf(hf_model, path: str, kinds: dict[str, str]) -> str:
+    """A llama, qwen2 or qwen3 GGUF file of `hf_model` (torch) with llama.cpp's tensor names,
+    metadata and q/k row order (permuted for llama only); kinds: GGUF tensor name part (token_embd,
+    attn_q, ffn_down, ...) -> type (default Q8_0 for matrices; norms F32)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    cfg = hf_model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    permute = lambda w, n: w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    sd = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
+    arch = cfg.model_type  # llama, or qwen2 / qwen3 (whose q/k rows llama.cpp leaves in place)
+    wr = GGUFWriter(path, arch)
+    wr.add_block_count(cfg.num_hidden_layers)
+    wr.add_context_length(cfg.max_position_embeddings)
+    wr.add_embedding_length(cfg.hidden_size)
+    wr.add_feed_forward_length(cfg.intermediate_size)
+    wr.add_head_count(heads)
+    wr.add_head_count_kv(kv_heads)
+    if getattr(cfg, "head_dim", None):  # as llama.cpp's converter writes a config's head_dim
+        wr.add_key_length(cfg.head_dim)
+        wr.add_value_length(cfg.head_dim)
+    wr.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    wr.add_rope_freq_base(float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)))
+    wr.add_vocab_size(cfg.vocab_size)
+
+    def add(name: str, part: str, w: np.ndarray):
+        kind = kinds.get(part, "Q8_0" if w.ndim == 2 else "F32")
+        if kind in ("F32", "F16"):
+            wr.add_tensor(name, w.astype(np.float32 if kind == "F32" else np.float16))
+        else:
+            wr.add_tensor(name, quantize(w, kind), raw_dtype=getattr(GGMLQuantizationType, kind))
+
+    add("token_embd.weight", "token_embd", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", "output_norm", sd["model.norm.weight"])
+    if "lm_head.weight" in sd and not cfg.tie_word_embeddings:
+        add("output.weight", "output", sd["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        for hf, part in GGUF_PARTS.items():
+            if f"model.layers.{i}.{hf}.weight" not in sd:
+                continue
+            w = sd[f"model.layers.{i}.{hf}.weight"]
+            if arch == "llama":
+                w = permute(w, heads) if part == "attn_q" else permute(w, kv_heads) if part == "attn_k" else w
+            add(f"blk.{i}.{part}.weight", part, w)
+            if f"model.layers.{i}.{hf}.bias" in sd:
+                wr.add_tensor(f"blk.{i}.{part}.bias", sd[f"model.layers.{i}.{hf}.bias"].astype(np.float32))
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return path
 
 
 # ---- speculative decoding on a tiny target (tests/test_speculative.py) -------------------------

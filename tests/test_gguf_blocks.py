@@ -1,7 +1,7 @@
 """--quantization gguf: GGUF blocks kept as stored (jaxspec/gguf.py) and their native kernel
 (jaxspec/native/gguf_matmul.cc), checked against references written from the block formats
 (the `gguf` package's quantize / dequantize, llama.cpp's activation rounding restated in numpy),
-on tiny GGUF files written here from llama.cpp's public tensor names."""
+on tiny GGUF files written with llama.cpp's public tensor names (tests/helpers.py write_gguf)."""
 
 from __future__ import annotations
 
@@ -15,19 +15,12 @@ import pytest
 from jaxspec import gguf, native
 from jaxspec.errors import JaxspecError
 
-from helpers import GREEDY, PROMPTS, make_hf_model, save_eagle_head
+from helpers import GREEDY, PROMPTS, make_hf_model, quantize, save_eagle_head, write_gguf
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or native.gguf_unavailable() is not None, reason="the GGUF kernel runs on XLA:CPU"
 )
 KINDS = ("Q4_0", "Q4_1", "Q8_0")
-
-
-def quantize(w: np.ndarray, kind: str) -> np.ndarray:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize as q
-
-    return q(np.ascontiguousarray(w, np.float32), getattr(GGMLQuantizationType, kind))
 
 
 def dequantize_ref(blocks: np.ndarray, kind: str) -> np.ndarray:
@@ -93,65 +86,6 @@ def test_interleaved_layout_holds_the_same_weights_and_products(kind):
         plain, inter = np.asarray(f(x, blocks, kind)), np.asarray(f(x, x8, kind + "x8"))
         np.testing.assert_allclose(inter, plain, rtol=0, atol=1e-5 * np.abs(plain).max())
         assert np.array_equal(np.asarray(f(x[-1:], x8, kind + "x8"))[0], inter[-1])
-
-
-def write_gguf(hf_model, path: str, kinds: dict[str, str]) -> str:
-    """A llama GGUF file of `hf_model` (torch) with llama.cpp's tensor names and q/k row order;
-    kinds: GGUF tensor name part (token_embd, attn_q, ffn_down, ...) -> type (default Q8_0 for
-    matrices; norms F32)."""
-    from gguf import GGMLQuantizationType, GGUFWriter
-
-    cfg = hf_model.config
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    permute = lambda w, n: w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    sd = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
-    arch = hf_model.config.model_type  # llama or qwen2 (whose q/k rows llama.cpp leaves in place)
-    wr = GGUFWriter(path, arch)
-    wr.add_block_count(cfg.num_hidden_layers)
-    wr.add_context_length(cfg.max_position_embeddings)
-    wr.add_embedding_length(cfg.hidden_size)
-    wr.add_feed_forward_length(cfg.intermediate_size)
-    wr.add_head_count(heads)
-    wr.add_head_count_kv(kv_heads)
-    wr.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    wr.add_rope_freq_base(float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)))
-    wr.add_vocab_size(cfg.vocab_size)
-    hf_parts = {
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-    }
-
-    def add(name: str, part: str, w: np.ndarray):
-        kind = kinds.get(part, "Q8_0" if w.ndim == 2 else "F32")
-        if kind in ("F32", "F16"):
-            wr.add_tensor(name, w.astype(np.float32 if kind == "F32" else np.float16))
-        else:
-            wr.add_tensor(name, quantize(w, kind), raw_dtype=getattr(GGMLQuantizationType, kind))
-
-    add("token_embd.weight", "token_embd", sd["model.embed_tokens.weight"])
-    add("output_norm.weight", "output_norm", sd["model.norm.weight"])
-    if "lm_head.weight" in sd and not cfg.tie_word_embeddings:
-        add("output.weight", "output", sd["lm_head.weight"])
-    for i in range(cfg.num_hidden_layers):
-        for hf, part in hf_parts.items():
-            w = sd[f"model.layers.{i}.{hf}.weight"]
-            if arch == "llama":
-                w = permute(w, heads) if part == "attn_q" else permute(w, kv_heads) if part == "attn_k" else w
-            add(f"blk.{i}.{part}.weight", part, w)
-            if f"model.layers.{i}.{hf}.bias" in sd:
-                wr.add_tensor(f"blk.{i}.{part}.bias", sd[f"model.layers.{i}.{hf}.bias"].astype(np.float32))
-    wr.write_header_to_file()
-    wr.write_kv_data_to_file()
-    wr.write_tensors_to_file()
-    wr.close()
-    return path
 
 
 V = 96  # a vocabulary the hidden size's blocks cover (embedding rows are 64 wide: 2 blocks)

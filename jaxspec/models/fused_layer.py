@@ -11,7 +11,8 @@ reduction kernel each, and adds one per norm, one for q's RoPE, a scatter each f
 pad and a merge around the attention kernel. The result is the unfused layer's up to float rounding
 (float32 accumulation in both). The unfused path stays for everything else: weights quantized,
 laid out for several tensor-parallel shards or out-major; rows not a power of two up to 64;
-dimensions not multiples of the kernels' blocks; and projections larger than MAX_WEIGHT.
+dimensions not multiples of the kernels' blocks; projections larger than MAX_WEIGHT; and layers
+with per-head q/k norms (Qwen3), which the q/k/v kernel does not apply before its RoPE.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def _takes(attn: Any, mlp: Any, rows: int, backend: str, cache: Any) -> bool:
     if not backend.startswith("pallas") or cache.sharding is not None:
         return False
     if attn.shards != 1 or mlp.shards != 1 or attn.cfg.head_dim % 2:
+        return False
+    if attn.q_norm is not None:  # Qwen3's q/k norms come between the projection and RoPE: unfused
         return False
     # q/k/v runs one program per head (block_n = D), the others BLOCK_N columns a program
     blocks = [(attn.qkv_proj, attn.cfg.head_dim)] + [

@@ -1,7 +1,8 @@
-"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2/2.5) in Flax NNX.
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3 dense) in Flax NNX.
 
-GQA, RoPE with default / linear / llama3 scaling, optional q/k/v (and o) bias, tied or untied
-embeddings, float32 / bfloat16 / float16 parameters (norms and softmax in float32).
+GQA, RoPE with default / linear / llama3 scaling, optional q/k/v (and o) bias, optional per-head
+RMSNorm of q and k before RoPE (Qwen3: q_norm, k_norm), tied or untied embeddings, float32 /
+bfloat16 / float16 parameters (norms and softmax in float32).
 
 Checkpoints, conversion and training see the HF layout (separate q/k/v_proj and gate/up_proj);
 inference engines call `fuse_projections` once after loading, so that a layer runs one q/k/v matmul
@@ -188,6 +189,9 @@ class Attention(nnx.Module):
         self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+        # Qwen3: weights [D], shared by every head (replicated under tensor parallelism; never out-major)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.cfg = cfg
         self.shards = 0  # 0: separate q/k/v_proj; n: one qkv_proj laid out for n shards
 
@@ -209,13 +213,18 @@ class Attention(nnx.Module):
         return q.reshape(b, t, nh, d), k.reshape(b, t, nkv, d), v.reshape(b, t, nkv, d)
 
     def project(self, x):
-        """x: [B, T, Hin] -> q [B, T, Nh, D], k and v [B, T, Nkv, D] (before RoPE)."""
+        """x: [B, T, Hin] -> q [B, T, Nh, D], k and v [B, T, Nkv, D] (before RoPE; q and k per-head
+        normed where the model has q_norm / k_norm)."""
         cfg, (b, t, _) = self.cfg, x.shape
         if self.shards:
-            return self.heads(self.qkv_proj(x))
-        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return q.reshape(b, t, nh, d), k.reshape(b, t, nkv, d), v.reshape(b, t, nkv, d)
+            q, k, v = self.heads(self.qkv_proj(x))
+        else:
+            nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = q.reshape(b, t, nh, d), k.reshape(b, t, nkv, d), v.reshape(b, t, nkv, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
     def attend(self, q, k, v, positions, inv_freq, cache: KVCache, layer: int, local_mask, offset, backend):
         """RoPE, the KV write and attention for projected q, k, v -> (o [B, T, Nh * D], cache)."""
