@@ -338,13 +338,19 @@ def kept_threshold(z, st: SamplingTensors):
     return bounds[1]
 
 
-def kept_weights(logits, st: SamplingTensors, filtered: bool = True):
+def kept_weights(logits, st: SamplingTensors, filtered: bool = True, logits_max=None):
     """logits [R, V] -> unnormalised probabilities [R, V] of the filtered distribution `sample`
     draws from (temperature, top-k, top-p, min-p; zero outside the kept set). The most likely
     token is always kept, with weight 1. filtered (static) False: no row filters, so the
-    threshold search is left out (every token is kept, as the search would find)."""
-    z = logits.astype(jnp.float32) / jnp.maximum(st.temperature, GREEDY_EPS)[:, None]
-    zmax = jnp.max(z, axis=-1, keepdims=True)
+    threshold search is left out (every token is kept, as the search would find). logits_max
+    [R]: the logits' largest, where the caller has it (a reduction over the vocabulary saved;
+    dividing by the temperature keeps the order, so it gives z's largest exactly)."""
+    t = jnp.maximum(st.temperature, GREEDY_EPS)[:, None]
+    z = logits.astype(jnp.float32) / t
+    if logits_max is None:
+        zmax = jnp.max(z, axis=-1, keepdims=True)
+    else:
+        zmax = logits_max.astype(jnp.float32)[:, None] / t
     if not filtered:
         return jnp.exp(z - zmax)
     if skips_unused():  # keep-all threshold (below every key) when no row filters
@@ -355,9 +361,9 @@ def kept_weights(logits, st: SamplingTensors, filtered: bool = True):
     return jnp.where(order_keys(z) >= t[:, None], jnp.exp(z - zmax), 0.0)
 
 
-def target_probs(logits, st: SamplingTensors, filtered: bool = True):
+def target_probs(logits, st: SamplingTensors, filtered: bool = True, logits_max=None):
     """The distribution `sample` draws from, as probabilities over the vocabulary [R, V]."""
-    w = kept_weights(logits, st, filtered)
+    w = kept_weights(logits, st, filtered, logits_max)
     return w / jnp.sum(w, axis=-1, keepdims=True)
 
 
@@ -388,10 +394,38 @@ def uniforms(keys):
     return jax.vmap(jax.random.uniform)(keys)
 
 
+FALLBACK_SHIFT = 1000.0  # draw_keyed's fallback scores lie this far below every real one
+
+
+def draw_keyed(w, keys, fallback=None):
+    """w [R, V] >= 0, keys: typed PRNG keys [R] -> index [R] int32 with probability w / sum(w);
+    a row of w with no entry > 0 draws from fallback [R, V] instead (which has one; without a
+    fallback every row of w must). On CPU the inverse-CDF `draw` from one uniform per row; on a
+    GPU a Gumbel-max draw, argmax(log w + G) with G iid Gumbel per token, which XLA fuses (the
+    random numbers included) into one pass over the vocabulary instead of `draw`'s six kernels
+    and needs no normalising sum. The random numbers are free there; on a 2-core CPU V of them
+    per row cost 20-40x the draw."""
+    if compile_target.platform() == "cpu":
+        if fallback is not None:
+            w = jnp.where(jnp.sum(w, -1, keepdims=True) > 0, w, fallback)
+        return draw(w, uniforms(keys))
+    g = jax.vmap(lambda k: jax.random.gumbel(k, w.shape[1:], jnp.float32))(keys)
+    score = lambda x: jnp.where(x > 0, jnp.log(x) + g, -jnp.inf)
+    if fallback is None:
+        return argmax(score(w))
+    # the fallback's scores sit FALLBACK_SHIFT below w's: w's are at least log(1e-45) + G >= -108
+    # (G >= -4.5 from its uniform's smallest value, float32's smallest normal), the fallback's at
+    # most 17 - FALLBACK_SHIFT, so a fallback token wins only in a row where w has none > 0
+    return argmax(jnp.where(w > 0, score(w), score(fallback) - FALLBACK_SHIFT))
+
+
 def argmax(x, axis: int = -1):
-    """jnp.argmax(x, axis) as int32: the first maximal index, a NaN counting as maximal. Two
+    """jnp.argmax(x, axis) as int32: the first maximal index, a NaN counting as maximal. On CPU two
     reductions that vectorise instead of jnp.argmax's one (value, index) reduction, which XLA:CPU runs
-    an element at a time: over SmolLM2's 49,152 logits 27 against 212 us a row (2-core AMD EPYC)."""
+    an element at a time: over SmolLM2's 49,152 logits 27 against 212 us a row (2-core AMD EPYC).
+    Elsewhere jnp.argmax itself: one reduction, one kernel on a GPU where the two take five."""
+    if compile_target.platform() != "cpu":
+        return jnp.argmax(x, axis).astype(jnp.int32)
     axis = axis % x.ndim
     nan = jnp.isnan(x)
     hit = jnp.where(jnp.any(nan, axis, keepdims=True), nan, x == jnp.max(x, axis, keepdims=True))
@@ -409,7 +443,7 @@ def sample(logits, st: SamplingTensors, counts, seen, keys, sampled: bool | str 
     if not sampled:
         return greedy
     mixed = lambda: jnp.where(
-        draws(st), draw(kept_weights(logits, st, sampled != TEMPERATURE_ONLY), uniforms(keys)), greedy
+        draws(st), draw_keyed(kept_weights(logits, st, sampled != TEMPERATURE_ONLY), keys), greedy
     )
     if skips_unused():  # no row draws: the draw is skipped
         return jax.lax.cond(jnp.any(draws(st)), mixed, lambda: greedy)

@@ -15,6 +15,7 @@ from jaxspec.sampling import (
     apply_penalties,
     argmax,
     draw,
+    draw_keyed,
     sample,
     target_probs,
 )
@@ -202,6 +203,51 @@ def test_argmax_equals_jnp_argmax():
         np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis)))
     assert argmax(jnp.asarray(x)).dtype == jnp.int32
     assert int(argmax(jnp.asarray(x))[0, 0]) == 7
+
+
+def test_argmax_as_a_gpu_builds_it_equals_the_cpus():
+    """The GPU's argmax (jnp.argmax's one reduction) and the CPU's two-reduction one agree on ties,
+    -inf rows and NaN."""
+    from jaxspec.compile_target import compiling_for
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, 4099)).astype(np.float32)
+    x[0, [7, 300]] = 50.0
+    x[1, :] = -np.inf
+    x[2, [9, 11]] = np.nan
+    x[3, :] = 1.0
+    with compiling_for("gpu"):
+        gpu = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(gpu, np.asarray(argmax(jnp.asarray(x))))
+    assert gpu.tolist() == [7, 0, 9, 0, int(np.argmax(x[4]))]
+
+
+def test_gumbel_draw_follows_the_weights():
+    """draw_keyed as a GPU builds it (Gumbel-max over the vocabulary): chi-square against w / sum(w)
+    with a power check, zero weights never drawn, and a row of w with nothing left drawn from its
+    fallback while rows with something left never are."""
+    from scipy.stats import chisquare
+
+    from jaxspec.compile_target import compiling_for
+
+    n, v = 20000, 8
+    rng = np.random.default_rng(4)
+    w = rng.dirichlet(np.ones(v), size=1).astype(np.float32)[0] * 3.0  # unnormalised
+    w[2] = 0.0
+    fb = rng.dirichlet(np.ones(v)).astype(np.float32)
+    rows = np.stack([w, np.zeros(v, np.float32)])  # row 1: nothing left, its fallback draws
+    keys = jax.random.split(jax.random.key(9), 2 * n).reshape(n, 2)
+    with compiling_for("gpu"):
+        fn = jax.jit(jax.vmap(lambda k: draw_keyed(jnp.asarray(rows), k, jnp.asarray(np.stack([fb, fb])))))
+        toks = np.asarray(fn(keys))  # [n, 2]
+    for col, weights in ((0, w), (1, fb)):
+        dist = weights.astype(np.float64) / weights.astype(np.float64).sum()
+        obs = np.bincount(toks[:, col], minlength=v)
+        m = dist > 0
+        assert obs[~m].sum() == 0
+        assert chisquare(obs[m], dist[m] * n).pvalue > 1e-3
+        skew = dist[m] * (1 + 0.1 * np.sign(np.arange(m.sum()) % 2 - 0.5))
+        assert chisquare(obs[m], skew / skew.sum() * n).pvalue < 1e-3
 
 
 def test_greedy_is_argmax_even_in_mixed_batch():

@@ -29,10 +29,10 @@ from jaxspec.config import SpecConfig
 from jaxspec.decode import LENGTH, RUNNING, STOPPED, target_prefill
 from jaxspec.grammar import Emitted, allowed, mask_logits
 from jaxspec.logprobs import TokenLogprobs, compute
-from jaxspec.sampling import GREEDY_EPS, SamplingTensors, argmax, sample, uniforms
-from jaxspec.sampling import draw as draw_index
+from jaxspec.sampling import GREEDY_EPS, SamplingTensors, argmax, draw_keyed, sample
 from jaxspec.speculative import tree as tree_lib
 from jaxspec.speculative.proposers.base import DraftState, Proposer
+from jaxspec.speculative.short_axis import any_of, first_true
 from jaxspec.speculative.verify import Accepted, greedy_verify, verify
 from jaxspec.weights import Models
 
@@ -101,8 +101,8 @@ def emit(state: SpecState, new, n_new, max_new_tokens, stop_ids, logits=None, st
     i = jnp.arange(t)[None, :]
     active = ~state.done
     is_stop = (i < n_new[:, None]) & jnp.any(new[:, :, None] == stop_ids[:, None, :], -1)
-    has_stop = jnp.any(is_stop, 1)
-    count = jnp.where(has_stop, jnp.argmax(is_stop, 1) + 1, n_new)
+    has_stop = any_of(is_stop)
+    count = jnp.where(has_stop, first_true(is_stop) + 1, n_new)
     room = max_new_tokens - state.num_out
     stopped = has_stop & (count <= room)
     count = jnp.where(active, jnp.minimum(count, room), 0)
@@ -165,10 +165,10 @@ def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState,
         keys = jax.vmap(jax.random.fold_in)(
             jax.vmap(jax.random.fold_in)(st.keys, jnp.full_like(state.verify_ct, 3)), state.verify_ct
         )
-        # every step's random numbers at once (one kernel, not a key derivation and a draw per step)
-        fold = lambda j: uniforms(jax.vmap(jax.random.fold_in, (0, None))(keys, j))
-        u = jax.vmap(fold)(jnp.arange(spec.num_steps, dtype=jnp.uint32))  # [num_steps, B]
-        draw = lambda probs, j: draw_drafts(probs, st.temperature, u[j])
+        # every step's keys at once (one kernel, not a key derivation per step)
+        fold = lambda j: jax.vmap(jax.random.fold_in, (0, None))(keys, j)
+        step_keys = jax.vmap(fold)(jnp.arange(spec.num_steps, dtype=jnp.uint32))  # [num_steps, B]
+        draw = lambda probs, j, top: draw_drafts(probs, st.temperature, step_keys[j], top)
     cand = tree_lib.grow(
         state.draft.root_probs,
         root_hidden,
@@ -189,21 +189,25 @@ def draws_drafts(prop: Proposer, spec: SpecConfig, sampled: bool | str) -> bool:
     return bool(sampled) and spec.draft_sampling and not prop.builds_tree
 
 
-def draw_drafts(probs, temperature, u):
-    """probs [B, Vd] draft distributions, temperature [B], u [B] uniforms -> (ids [B], q [B, Vd], rows [B]):
-    q = probs sharpened to the row's temperature (probs^(1/T), renormalised), ids drawn from it
-    (inverse CDF, one uniform per row: a Gumbel-max draw would make Vd random numbers per row, on a
-    2-core CPU 20-40x the time); rows: the rows that sample (temperature > 0; the others take
-    probs' argmax and q is unused)."""
-    t = temperature[:, None]
-    logq = jnp.log(probs.astype(jnp.float32)) / jnp.maximum(t, GREEDY_EPS)
-    greedy = argmax(probs)
+def draw_drafts(probs, temperature, keys, top=None):
+    """probs [B, Vd] draft distributions, temperature [B], keys [B] typed PRNG keys -> (ids [B],
+    q [B, Vd], rows [B]): q = probs sharpened to the row's temperature (probs^(1/T), renormalised),
+    ids drawn from it (sampling.draw_keyed); rows: the rows that sample (temperature > 0; the others
+    take probs' argmax and q is unused). top: (probs' largest entry [B], its index [B]) where the
+    caller has them (a top-k's first), saving two reductions over the vocabulary."""
+    if top is None:
+        top = (jnp.max(probs, -1), argmax(probs))
+    p_max, greedy = top
+    t = jnp.maximum(temperature, GREEDY_EPS)[:, None]
+    logq = jnp.log(probs.astype(jnp.float32)) / t
+    # softmax(logq), its max known: log(p_max) / T
+    e = jnp.exp(logq - jnp.log(p_max.astype(jnp.float32))[:, None] / t)
     # no token left (a grammar allows none of the draft's vocabulary): the token is a certain pick,
     # like a forced one (q = its one-hot), not the NaN of a softmax over nothing
-    some = jnp.any(probs > 0, -1, keepdims=True)
-    q = jnp.where(some, jax.nn.softmax(logq, -1), jax.nn.one_hot(greedy, probs.shape[-1], dtype=jnp.float32))
+    some = (p_max > 0)[:, None]
+    q = jnp.where(some, e / jnp.sum(e, -1, keepdims=True), jax.nn.one_hot(greedy, probs.shape[-1], dtype=jnp.float32))
     rows = temperature > GREEDY_EPS
-    ids = jnp.where(rows, draw_index(q, u), greedy)
+    ids = jnp.where(rows, draw_keyed(q, keys), greedy)
     return ids, q, rows
 
 

@@ -29,6 +29,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxspec.speculative.short_axis import any_of, first_true
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -78,11 +80,11 @@ def grow(
         there or -1 (constrained decoding). Each distribution is masked and renormalised; a forced
         token becomes the first child with probability 1 (also when the draft vocabulary lacks
         it), the others get 0. Siblings stay distinct tokens, which lossless verification needs.
-    draw(probs [B, Vd], j) -> (ids [B], q [B, Vd], rows [B] bool): sampled drafts. In the rows
-        that sample, the first child of the spine (the root, then each spine child) is ids, drawn
-        from q at draft step j, and its siblings are the k - 1 most likely other tokens; the
-        spine child is always a beam (slot 0) and always kept by rerank, so that whether it is
-        in the tree never depends on its value. A forced token is a spine child with q(child) =
+    draw(probs [B, Vd], j, (max [B], argmax [B]) of probs) -> (ids [B], q [B, Vd], rows [B] bool):
+        sampled drafts. In the rows that sample, the first child of the spine (the root, then each
+        spine child) is ids, drawn from q at draft step j, and its siblings are the k - 1 most
+        likely other tokens; the spine child is always a beam (slot 0) and always kept by rerank,
+        so that whether it is in the tree never depends on its value. A forced token is a spine child with q(child) =
         1 and q = 0 (its draw was certain).
     """
     b = root_probs.shape[0]
@@ -101,11 +103,11 @@ def grow(
         first = jnp.arange(k) == 0
         spine = None
         if draw is not None:  # beam 0 of a sampling row is the spine: its first child is drawn
-            d_ids, q, rows = draw(probs[:, 0], j)  # [B], [B, Vd], [B]
-            if k > 1:
-                _, rest = jax.lax.top_k(
-                    jnp.where(jnp.arange(probs.shape[-1]) == d_ids[:, None], -1.0, probs[:, 0]), k - 1
-                )
+            d_ids, q, rows = draw(probs[:, 0], j, (p[:, 0, 0], ids[:, 0, 0]))  # [B], [B, Vd], [B]
+            if k > 1:  # then beam 0's top k without the drawn token (its position m, or k if absent)
+                top = ids[:, 0]  # [B, k]
+                m = first_true(jnp.concatenate([top == d_ids[:, None], jnp.ones((b, 1), bool)], -1))
+                rest = jnp.where(jnp.arange(k - 1) < m[:, None], top[:, :-1], top[:, 1:])
                 s_ids = jnp.concatenate([d_ids[:, None], rest], -1)  # [B, k]
             else:
                 s_ids = d_ids[:, None]
@@ -198,7 +200,7 @@ def rerank(root_tokens, cand: Candidates, num_draft_tokens: int, num_steps: int,
     tokens = jnp.concatenate([root_tokens[:, None], jnp.take_along_axis(cand.tokens, sel, 1)], 1)
     pc = jnp.take_along_axis(cand.parent, sel, 1)  # [B, N-1] parent candidate index or -1
     match = sel[:, None, :] == pc[:, :, None]  # [B, N-1, N-1]
-    parent = jnp.where(jnp.any(match, -1), jnp.argmax(match, -1) + 1, 0).astype(jnp.int32)
+    parent = jnp.where(any_of(match), first_true(match) + 1, 0).astype(jnp.int32)
     parent = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), parent], 1)
     tree = build_tree(tokens, parent, num_steps)
     if cand.qx is None or cand.spine is None or cand.qd is None:

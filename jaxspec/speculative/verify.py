@@ -21,6 +21,7 @@ Inputs: the Tree, and target logits at every node [B, N, V]. Output `Accepted`:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +30,12 @@ from jaxspec.sampling import (
     TEMPERATURE_ONLY,
     SamplingTensors,
     argmax,
-    draw,
+    draw_keyed,
     draws,
     skips_unused,
     target_probs,
-    uniforms,
 )
+from jaxspec.speculative.short_axis import any_of, first_true, running_sum
 from jaxspec.speculative.tree import Tree
 
 
@@ -46,115 +47,131 @@ class Accepted:
     bonus: jax.Array
 
 
-def _walk(tree: Tree, num_steps: int, choose):
-    """Walks from the root; choose(cur [B], is_child [B, N]) -> (found [B], child [B])."""
-    b, n = tree.tokens.shape
-    cur = jnp.zeros((b,), jnp.int32)
-    alive = jnp.ones((b,), bool)
-    num = jnp.zeros((b,), jnp.int32)
-    path = [cur]
-    node = jnp.arange(n)[None, :]
-    for _ in range(num_steps):
-        is_child = (tree.parent == cur[:, None]) & (node > 0)
-        found, child = choose(cur, is_child)
-        found &= alive
-        cur = jnp.where(found, child, cur).astype(jnp.int32)
-        num += found
-        alive &= found
-        path.append(cur)
+def _walk(tree: Tree, num_steps: int, found, child):
+    """The walk from the root, from what would happen at every node: found [B, N] (the walk moves on
+    from node p: one of its children is accepted), child [B, N] (that child). -> (cur [B] the last
+    node, num [B] accepted drafts, path [B, D + 1] (padded with cur)). A node is on the walk when
+    every node from the root down to it (itself included) was its parent's accepted child: whole-
+    tree elementwise work with no step-by-step dependence, which XLA fuses into a kernel or two
+    where a walk of D dependent steps takes two or three per step on a GPU."""
+    n = tree.tokens.shape[1]
+    node = jnp.arange(n)
+    at_parent = lambda a: jnp.take_along_axis(a, tree.parent, 1)
+    chosen = (at_parent(found) & (at_parent(child) == node)) | (node == 0)  # [B, N]
+    on = ~any_of(tree.anc & ~chosen[:, None, :])  # [B, N] every ancestor (and itself) chosen
+    num = functools.reduce(jnp.add, [on[:, i].astype(jnp.int32) for i in range(n)]) - 1
+    cur = first_true(on & (tree.depth == num[:, None]))
+    path = [jnp.where(d <= num, first_true(on & (tree.depth == d)), cur) for d in range(num_steps + 1)]
     return cur, num, jnp.stack(path, 1)
 
 
-def greedy_verify(tree: Tree, logits, num_steps: int) -> Accepted:
-    """Accept the child whose token is the target's argmax at the current node."""
-    target = argmax(logits)  # [B, N]
+def greedy_verify(tree: Tree, logits, num_steps: int, target=None) -> Accepted:
+    """Accept the child whose token is the target's argmax at the current node. target: that
+    argmax [B, N] where the caller has it."""
+    target = argmax(logits) if target is None else target  # [B, N]
 
-    def choose(cur, is_child):
-        want = jnp.take_along_axis(target, cur[:, None], 1)  # [B, 1]
-        ok = is_child & (tree.tokens == want)
-        return jnp.any(ok, 1), jnp.argmax(ok, 1)
-
-    cur, num, path = _walk(tree, num_steps, choose)
+    ok = _kids(tree) & (tree.tokens[:, None, :] == target[:, :, None])  # [B, parent, child]
+    cur, num, path = _walk(tree, num_steps, any_of(ok), first_true(ok))
     return Accepted(num, path, jnp.take_along_axis(target, cur[:, None], 1)[:, 0])
 
 
-def sample_accept(tree: Tree, probs_at, coins, num_steps: int, thr_single, thr_acc):
-    """The acceptance walk of tree sampling. probs_at(node [B]) -> target probabilities [B, V] at
-    that node of each row; coins: uniforms per node [B, N] (target-only rule), or [B, N, 2] with
-    sampled drafts (the spine child's test, then its siblings').
+def _kids(tree: Tree):
+    """[B, parent, child] bool: child's parent is parent (the root is no one's child)."""
+    node = jnp.arange(tree.tokens.shape[1])
+    return (tree.parent[:, None, :] == node[None, :, None]) & (node > 0)
+
+
+def sample_accept(tree: Tree, probs, coins, num_steps: int, thr_single, thr_acc, greedy=None):
+    """The acceptance walk of tree sampling. probs [B, N, V]: the target distribution at every node;
+    coins: uniforms per node [B, N] (target-only rule), or [B, N, 2] with sampled drafts (the spine
+    child's test, then its siblings'). greedy: None, or (rows [B] bool, target [B, N] argmax
+    tokens): those rows walk as greedy_verify does (the child whose token is the target's argmax),
+    so that a batch mixing greedy and sampling rows walks the tree once.
 
     At the current node the coin u is compared with the running sum of target probabilities of
     the children in sibling order: the first child with u <= acc / thr_acc, or with
     p(child) >= thr_single, is accepted; the children before it are rejected. With no child
     accepted the walk stops; the bonus is then drawn from p with every child's token zeroed (all
-    rejected). The target distribution is computed only at the nodes the walk visits (at most
-    num_steps + 1 per row), not at every node of the tree.
+    rejected).
     With sampled drafts (tree.spine set) a spine child x is tried first: accepted when
     u * q(x) * thr_acc <= p(x) or p(x) >= thr_single; once rejected, p becomes max(p - q, 0)
     renormalised, and the other children are tried against that by the rule above (second coin).
-    Returns (num [B], path [B, D + 1], residual distribution [B, V] for the bonus)."""
+    Every node's decision (the residuals over the vocabulary, each child's probability at its
+    parent, which child the coin accepts) is made at once, as if the walk reached every node; the
+    walk then only follows them (_walk).
+    Returns (num [B], path [B, D + 1], the bonus's residual distribution [B, V] unnormalised, the
+    target distribution at the last node [B, V]: the bonus's where rounding left the residual
+    empty)."""
     b, n = tree.tokens.shape
+    v = probs.shape[-1]
     spine = tree.spine
-    rows = jnp.arange(b)
-
-    def residual(cur, is_child):
-        """(p at cur [B, V], p after its spine child's rejection [B, V], spine child exists [B], its
-        index [B])."""
-        p = probs_at(cur)
-        if spine is None:
-            return p, p, jnp.zeros((b,), bool), jnp.zeros((b,), jnp.int32)
+    kids = _kids(tree)  # [B, parent, child]
+    r = probs  # [B, N, V] the distribution a node's other children are tried against
+    has = jnp.zeros((b, n), bool)  # [B, N] the node has a spine child
+    sidx = jnp.zeros((b, n), jnp.int32)  # [B, N] its index
+    if spine is not None:
         assert tree.qd is not None and tree.qx is not None and tree.q_ids is not None
-        sp = is_child & spine
-        has, idx = jnp.any(sp, 1), jnp.argmax(sp, 1)
-        d = jnp.take_along_axis(tree.depth, idx[:, None], 1)[:, 0]
-        q = jnp.take_along_axis(tree.qd, jnp.maximum(d - 1, 0)[:, None, None], 1)[:, 0]  # [B, Vd]
-        q_t = jnp.zeros_like(p).at[:, tree.q_ids].set(q)
-        # a forced spine child (q all 0, q(x) 1) was drawn with certainty
-        tok = jnp.take_along_axis(tree.tokens, idx[:, None], 1)[:, 0]
-        q_t = q_t.at[rows, tok].max(jnp.take_along_axis(tree.qx, idx[:, None], 1)[:, 0])
-        r = jnp.maximum(p - q_t, 0.0)
-        total = r.sum(-1, keepdims=True)
-        r = jnp.where(has[:, None] & (total > 0), r / jnp.maximum(total, 1e-30), p)
-        return p, r, has, idx
+        sp = kids & spine[:, None, :]
+        has, sidx = any_of(sp), first_true(sp)
+        # the draft distribution each node's spine child was drawn from (its depth is the node's
+        # + 1), on the target vocabulary; a forced spine child (q all 0, q(x) 1) was certain
+        depths = tree.qd.shape[1]
+        q_t = jnp.zeros((b, depths, v), jnp.float32).at[:, :, tree.q_ids].set(tree.qd)
+        q = jnp.take_along_axis(q_t, jnp.minimum(tree.depth, depths - 1)[:, :, None], 1)  # [B, N, V]
+        tok = jnp.take_along_axis(tree.tokens, sidx, 1)  # [B, N]
+        qx = jnp.take_along_axis(tree.qx, sidx, 1)
+        q = jnp.maximum(q, jnp.where(jnp.arange(v) == tok[:, :, None], qx[:, :, None], 0.0))
+        res = jnp.maximum(probs - q, 0.0)
+        total = res.sum(-1, keepdims=True)
+        r = jnp.where(has[:, :, None] & (total > 0), res / jnp.maximum(total, 1e-30), probs)
+    at_tokens = lambda d: jnp.take_along_axis(d, jnp.broadcast_to(tree.tokens[:, None, :], (b, n, n)), 2)
+    r_kids = at_tokens(r)  # [B, parent, child] each node's token in its parent's r
+    p_kids = at_tokens(probs)
+    det_kids = kids if spine is None else kids & ~spine[:, None, :]
+    row = lambda a, cur: jnp.take_along_axis(a, cur.reshape((b,) + (1,) * (a.ndim - 1)), 1)[:, 0]
 
-    def choose(cur, is_child):
-        u = jnp.take_along_axis(coins, cur[:, None] if coins.ndim == 2 else cur[:, None, None], 1)[:, 0]
-        p, r, has, idx = residual(cur, is_child)
-        det = is_child if spine is None else is_child & ~spine
-        pc = jnp.where(det, jnp.take_along_axis(r, tree.tokens, 1), 0.0)  # [B, N]
-        u_det = u if coins.ndim == 2 else u[:, 1]
-        # pc > 0: a child the target cannot produce (filtered, or masked by a grammar) is never
-        # accepted, even by a coin of exactly 0
-        ok = (
-            det
-            & (pc > 0)
-            & ((u_det[:, None] <= jnp.cumsum(pc, axis=1) / thr_acc[:, None]) | (pc >= thr_single[:, None]))
-        )
-        if spine is None:
-            return jnp.any(ok, 1), jnp.argmax(ok, 1)
-        ps = jnp.take_along_axis(p, jnp.take_along_axis(tree.tokens, idx[:, None], 1), 1)[:, 0]
-        qs = jnp.take_along_axis(tree.qx, idx[:, None], 1)[:, 0]
-        ok_s = has & (ps > 0) & ((u[:, 0] * qs * thr_acc <= ps) | (ps >= thr_single))
-        return ok_s | jnp.any(ok, 1), jnp.where(ok_s, idx, jnp.argmax(ok, 1))
-
-    cur, num, path = _walk(tree, num_steps, choose)
-    children = (tree.parent == cur[:, None]) & (jnp.arange(n)[None] > 0)
-    p_cur, r, _, _ = residual(cur, children)
-    det = children if spine is None else children & ~spine
-    rejected = jnp.zeros(r.shape, bool).at[rows[:, None], tree.tokens].max(det)
-    resid = jnp.where(rejected, 0.0, r)
-    total = resid.sum(-1, keepdims=True)
-    resid = jnp.where(total > 0, resid / jnp.maximum(total, 1e-30), p_cur)  # guard against rounding
-    return num, path, resid
+    # at every node p at once: u [B, N] or [B, N, 2] its coins; pc [B, p, child] the running test
+    u_det = coins if coins.ndim == 2 else coins[..., 1]
+    pc = jnp.where(det_kids, r_kids, 0.0)
+    # pc > 0: a child the target cannot produce (filtered, or masked by a grammar) is never
+    # accepted, even by a coin of exactly 0
+    thr_a, thr_s = thr_acc[:, None, None], thr_single[:, None, None]
+    ok = det_kids & (pc > 0) & ((u_det[:, :, None] <= running_sum(pc) / thr_a) | (pc >= thr_s))
+    if greedy is not None:
+        g_rows, target = greedy
+        ok = jnp.where(g_rows[:, None, None], kids & (tree.tokens[:, None, :] == target[:, :, None]), ok)
+    found, child = any_of(ok), first_true(ok)  # [B, N]
+    if spine is not None:
+        assert tree.qx is not None
+        ps = jnp.take_along_axis(p_kids, sidx[:, :, None], 2)[:, :, 0]  # [B, N] p(spine child)
+        qs = jnp.take_along_axis(tree.qx, sidx, 1)
+        ok_s = has & (ps > 0) & ((coins[..., 0] * qs * thr_acc[:, None] <= ps) | (ps >= thr_single[:, None]))
+        if greedy is not None:
+            ok_s &= ~greedy[0][:, None]
+        found, child = ok_s | found, jnp.where(ok_s, sidx, child)
+    cur, num, path = _walk(tree, num_steps, found, child)
+    det = row(det_kids, cur)  # [B, N] every such child of the last node was rejected
+    rejected = any_of((tree.tokens[:, None, :] == jnp.arange(v)[None, :, None]) & det[:, None, :])
+    return num, path, jnp.where(rejected, 0.0, row(r, cur)), row(probs, cur)
 
 
 def sample_verify(
-    tree: Tree, logits, st: SamplingTensors, key, num_steps: int, thr_single, thr_acc, filtered: bool = True
+    tree: Tree,
+    logits,
+    st: SamplingTensors,
+    key,
+    num_steps: int,
+    thr_single,
+    thr_acc,
+    filtered: bool = True,
+    target=None,
 ) -> Accepted:
     """Lossless tree sampling (the target-only rule, or sampled drafts' rule when the tree carries
-    q) from the target distribution with the request's temperature / top-k / top-p / min-p. With both thresholds 1 the emitted tokens follow
-    the target distribution exactly. key: typed PRNG keys [B]. filtered (static): False when no
-    row filters (temperature only)."""
+    q) from the target distribution with the request's temperature / top-k / top-p / min-p. With
+    both thresholds 1 the emitted tokens follow the target distribution exactly. key: typed PRNG
+    keys [B]. filtered (static): False when no row filters (temperature only). target: the
+    logits' argmax [B, N]; given, the greedy rows (temperature 0) are verified as greedy_verify
+    does, in the same walk."""
     b, n, _ = logits.shape
     coin_key, bonus_key = jax.vmap(lambda k: tuple(jax.random.split(k)))(key)
     shape = (n,) if tree.spine is None else (n, 2)
@@ -162,10 +179,16 @@ def sample_verify(
     # the target distribution at every node at once [B, N, V]: one sampler in the program instead of
     # one per step of the walk (as much work for a chain, whose walk visits every node)
     per_node = jax.tree.map(lambda a: jnp.repeat(a, n, axis=0), st)
-    probs = target_probs(logits.reshape(b * n, -1), per_node, filtered).reshape(b, n, -1)
-    probs_at = lambda cur: jnp.take_along_axis(probs, cur[:, None, None], 1)[:, 0]
-    num, path, resid = sample_accept(tree, probs_at, coins, num_steps, thr_single, thr_acc)
-    return Accepted(num, path, draw(resid, uniforms(bonus_key)))
+    flat = logits.reshape(b * n, -1)
+    # the logits' largest from their argmax where the caller has it: a reduction fewer
+    top = None if target is None else jnp.take_along_axis(flat, target.reshape(-1, 1), 1)[:, 0]
+    probs = target_probs(flat, per_node, filtered, top).reshape(b, n, -1)
+    greedy = None if target is None else (~draws(st), target)
+    num, path, resid, p_last = sample_accept(tree, probs, coins, num_steps, thr_single, thr_acc, greedy)
+    bonus = draw_keyed(resid, bonus_key, p_last)
+    if greedy is not None:
+        bonus = jnp.where(greedy[0], jnp.take_along_axis(target, path[:, -1:], 1)[:, 0], bonus)
+    return Accepted(num, path, bonus)
 
 
 def verify(
@@ -175,16 +198,11 @@ def verify(
     when every row is greedy, so the program holds no sampler (no branch decides it at run time);
     TEMPERATURE_ONLY when no row filters."""
     logits = logits.astype(jnp.float32)
-    g = greedy_verify(tree, logits, num_steps)
+    target = argmax(logits)  # [B, N]
     if not sampled:
-        return g
-    is_greedy = ~draws(st)
-
-    def mixed():
-        s = sample_verify(tree, logits, st, key, num_steps, thr_single, thr_acc, sampled != TEMPERATURE_ONLY)
-        pick = lambda a, c: jnp.where(is_greedy.reshape((-1,) + (1,) * (a.ndim - 1)), a, c)
-        return jax.tree_util.tree_map(pick, g, s)
-
+        return greedy_verify(tree, logits, num_steps, target)
+    filtered = sampled != TEMPERATURE_ONLY
+    mixed = lambda: sample_verify(tree, logits, st, key, num_steps, thr_single, thr_acc, filtered, target)
     if skips_unused():  # no row draws: the tree-sampling walk is skipped
-        return jax.lax.cond(jnp.any(draws(st)), mixed, lambda: g)
+        return jax.lax.cond(jnp.any(draws(st)), mixed, lambda: greedy_verify(tree, logits, num_steps, target))
     return mixed()
