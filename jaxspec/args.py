@@ -36,6 +36,8 @@ T = TypeVar("T")
 
 SPEC_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 DTYPES = ("float32", "bfloat16", "float16")  # parameter dtypes a checkpoint is stored or run in
+REASONING_PARSERS = ("qwen3",)  # server/reasoning.py
+TOOL_CALL_PARSERS = ("qwen25",)  # server/tool_parsers.py
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")  # SGLang router's
 
 
@@ -410,6 +412,18 @@ class ServerArgs:
     )
     disable_background_compile: bool = flag(
         False, "compile only the start-up programs; shapes they do not cover exactly compile on first use"
+    )
+    reasoning_parser: str | None = flag(
+        None,
+        "split chat completions' reasoning from their content: returned as message.reasoning_content "
+        "(streamed: delta.reasoning_content); qwen3: the think block of Qwen3 models",
+        choices=REASONING_PARSERS,
+    )
+    tool_call_parser: str | None = flag(
+        None,
+        "parse tool calls in the free text of chat completions with tools and tool_choice auto, streamed as "
+        "each call completes (default: the whole output is parsed once complete); qwen25: the tool_call blocks of Qwen2.5 / Qwen3 models",
+        choices=TOOL_CALL_PARSERS,
     )
     max_request_bytes: int = flag(16 << 20, "larger request bodies get 413")
     shutdown_timeout: float = flag(

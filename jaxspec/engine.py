@@ -280,8 +280,11 @@ class Engine:
         results = self._generate_ids(ids, sampling_params, lp)
         return results[0] if single and len(results) == 1 else results
 
-    def apply_chat_template(self, messages: Conversation, tools: list[dict] | None = None) -> str:
-        """The prompt text of a conversation (tools: OpenAI tool objects, for templates that take them)."""
+    def apply_chat_template(
+        self, messages: Conversation, tools: list[dict] | None = None, template_kwargs: dict | None = None
+    ) -> str:
+        """The prompt text of a conversation (tools: OpenAI tool objects, for templates that take them;
+        template_kwargs: further variables for the template, e.g. {"enable_thinking": False})."""
         tok = self._need_tokenizer()
         if not getattr(tok, "chat_template", None):
             raise JaxspecError("this model's tokenizer has no chat template; use generate() with a raw prompt")
@@ -290,7 +293,7 @@ class Engine:
         ):
             raise JaxspecError('messages must be a list of {"role": ..., "content": ...} dicts')
 
-        kw = {} if tools is None else {"tools": tools}
+        kw = {**(template_kwargs or {}), **({} if tools is None else {"tools": tools})}
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
 
     def reset_ngram_corpus(self, reserve: int = 4096) -> None:

@@ -1,5 +1,6 @@
 """The OpenAI-compatible routes: /v1/models, /v1/chat/completions and /v1/completions, streamed
-(server-sent events) or not, with `n` samples per prompt, logprobs, echo and tool calls."""
+(server-sent events) or not, with `n` samples per prompt, logprobs, echo, tool calls and reasoning
+(server/chat_output.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fastapi.responses import StreamingResponse
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import nth_sample
 from jaxspec.server import protocol, tools
+from jaxspec.server.chat_output import ChatOutput, ChatParsing
 from jaxspec.server.context import ServerContext, Submission, context, finish_fields, spec_metrics, sse
 from jaxspec.server.errors import error_body, openapi_body
 from jaxspec.server.logprobs import chat_logprobs, completion_logprobs, merge_completion, rows_from_meta
@@ -39,12 +41,13 @@ async def chat_completions(request: Request):
     conv, template_tools = tools.messages(body, plan, takes_tools)
     with ctx.sched.tok_lock:
         try:
-            text = ctx.eng.apply_chat_template(conv, template_tools)
+            text = ctx.eng.apply_chat_template(conv, template_tools, body.chat_template_kwargs)
         except JaxspecError:
             raise
         except Exception as e:
             raise JaxspecError(f"messages: the model's chat template rejected this conversation: {e}") from None
-    run = OpenAIRun(ctx, request, body, [ctx.encode(text, add_special_tokens=False)], chat=True, plan=plan)
+    parsing = ChatParsing.of(ctx.server_args, body, plan, text)
+    run = OpenAIRun(ctx, request, body, [ctx.encode(text, add_special_tokens=False)], chat=True, parsing=parsing)
     return await run.respond()
 
 
@@ -63,15 +66,22 @@ async def completions(request: Request):
 class OpenAIRun:
     """One chat or completion request: a choice per prompt and sample (index = prompt * n + j).
 
-    texts: the prompts as the client sent them (echo), None where it sent token ids; plan: the chat
-    request's tools (server/tools.py): outputs become tool_calls, streamed as one delta each once
-    the output is complete."""
+    texts: the prompts as the client sent them (echo), None where it sent token ids; parsing: how a
+    chat request's outputs become reasoning, content and tool calls (server/chat_output.py); outputs
+    with tools but no tool-call parser for them are streamed whole once complete."""
 
     def __init__(
-        self, ctx: ServerContext, request: Request, body, prompts: list[list[int]], chat: bool, texts=None, plan=None
+        self,
+        ctx: ServerContext,
+        request: Request,
+        body,
+        prompts: list[list[int]],
+        chat: bool,
+        texts=None,
+        parsing: ChatParsing | None = None,
     ):
         self.ctx, self.request, self.body, self.prompts, self.chat = ctx, request, body, prompts, chat
-        self.texts, self.plan = texts, plan
+        self.texts, self.parsing = texts, parsing or ChatParsing()
         self.params = body.sampling(default_max=ctx.sched.context_length)
         self.top: int | None = body.top_logprobs_wanted()
         self.n: int = body.n
@@ -148,13 +158,11 @@ class OpenAIRun:
             rows = rows_from_meta(res["meta_info"])
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": res["text"]}
+                if not self.parsing.plain:
+                    choice["message"] = self.parsing.message(res["text"] or "")
+                    if choice["message"].get("tool_calls") and choice["finish_reason"] == "stop":
+                        choice["finish_reason"] = "tool_calls"  # a call cut at max_tokens stays "length"
                 choice["logprobs"] = self._logprobs(res["output_ids"], rows, 0)
-                if self.plan is not None:
-                    content, calls = tools.parse(self.plan, res["text"] or "")
-                    if calls:
-                        choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-                        if choice["finish_reason"] == "stop":  # a call cut at max_tokens stays "length"
-                            choice["finish_reason"] = "tool_calls"
             else:
                 choice["text"] = self.prefix[p] + (res["text"] or "")
                 lps = self._logprobs(res["output_ids"], rows, len(self.prefix[p]))
@@ -175,18 +183,34 @@ class OpenAIRun:
             c.update(fin)
         return self._envelope([c], chunk=True)
 
-    def _tool_chunks(self, i: int, res: dict, fin: dict) -> list[dict]:
-        """A tool request's output, sent whole once done: its calls as one delta (fin's reason
-        becomes "tool_calls"), or its text."""
-        content, calls = tools.parse(self.plan, res["text"] or "")
+    def _delta_chunk(self, i: int, delta: dict, lps=None) -> dict:
+        c = self._chunk(i, None, None, lps)
+        c["choices"][0]["delta"] = delta
+        return c
+
+    def _buffered_chunks(self, i: int, res: dict, fin: dict) -> list[dict]:
+        """A tool request without a tool-call parser for it, sent whole once done: its reasoning,
+        then its calls as one delta (fin's reason becomes "tool_calls"), or its text."""
+        msg = self.parsing.message(res["text"] or "")
+        out = (
+            [self._delta_chunk(i, {"reasoning_content": msg["reasoning_content"]})]
+            if msg.get("reasoning_content")
+            else []
+        )
+        content, calls = msg["content"], msg.get("tool_calls")
         if not calls:
-            return [self._chunk(i, content, None)] if content else []
+            return out + ([self._chunk(i, content, None)] if content else [])
         if fin["finish_reason"] == "stop":
             fin["finish_reason"] = "tool_calls"
-        c = self._chunk(i, None, None)
         delta = [{**call, "index": j} for j, call in enumerate(calls)]
-        c["choices"][0]["delta"] = {"tool_calls": delta, **({"content": content} if content else {})}
-        return [c]
+        return out + [self._delta_chunk(i, {"tool_calls": delta, **({"content": content} if content else {})})]
+
+    def _parsed_chunks(self, i: int, out: ChatOutput, deltas: list[dict], lps=None) -> list[dict]:
+        """Chunks of parsed deltas (the logprobs ride on the first; alone if the parsers held all back)."""
+        chunks = [self._delta_chunk(i, d, lps if j == 0 else None) for j, d in enumerate(deltas)]
+        if not chunks and lps is not None:
+            chunks = [self._delta_chunk(i, {}, lps)]
+        return chunks
 
     async def _stream(self) -> AsyncIterator[str]:
         n, top = self.n, self.top
@@ -197,23 +221,35 @@ class OpenAIRun:
             elif self.echo:
                 yield sse(self._chunk(i, self.prefix[i // n], None, self.prefix_lps[i // n]))
         results: dict[int, dict] = {}
+        parsing = self.parsing
+        passthrough = not self.chat or parsing.plain or parsing.buffered
+        outs = [] if passthrough else [parsing.new() for _ in self.subs]  # each choice's stream parser
         async for i, e in self.ctx.merged(self.request, self.subs):
-            if self.plan is not None and e["type"] == "delta":  # tool requests: sent whole when done
+            if self.chat and parsing.buffered and e["type"] == "delta":  # sent whole when done
                 continue
             if e["type"] == "delta" and (e["text"] or e.get("logprobs")):
                 lps = None if top is None else self._logprobs(e["ids"], e["logprobs"], offset[i])
                 if lps is not None and not self.chat:
                     offset[i] += sum(len(t) for t in lps["tokens"])
-                yield sse(self._chunk(i, e["text"], None, lps))
+                if outs:
+                    for c in self._parsed_chunks(i, outs[i], outs[i].feed(e["text"] or ""), lps):
+                        yield sse(c)
+                else:
+                    yield sse(self._chunk(i, e["text"], None, lps))
             elif e["type"] == "error":
                 yield sse(error_body(500, e["message"], "InternalServerError"))
                 break
             elif e["type"] == "done":
                 res = results[i] = e["result"]
                 fin = finish_fields(res)
-                if self.plan is not None:
-                    for c in self._tool_chunks(i, res, fin):
+                if self.chat and parsing.buffered:
+                    for c in self._buffered_chunks(i, res, fin):
                         yield sse(c)
+                elif outs:
+                    for c in self._parsed_chunks(i, outs[i], outs[i].finish()):
+                        yield sse(c)
+                    if outs[i].calls and fin["finish_reason"] == "stop":
+                        fin["finish_reason"] = "tool_calls"
                 last = self._chunk(i, None, fin)
                 last["spec_metrics"] = spec_metrics(res)
                 yield sse(last)

@@ -6,7 +6,9 @@ stop lists), so nothing reaches the scheduler unvalidated. Fields the OpenAI API
 server cannot honour yet (logit_bias, suffix, audio, ...) are rejected with a 400 that names
 them, never ignored. Structured output: `response_format` (text, json_object, json_schema) and
 SGLang's `json_schema` / `regex` / `ebnf` become the sampling parameters of the same names
-(jaxspec/grammar.py); `tools` / `tool_choice` / `parallel_tool_calls` are in server/tools.py. Fields
+(jaxspec/grammar.py); `tools` / `tool_choice` / `parallel_tool_calls` are in server/tools.py.
+SGLang's chat extensions `chat_template_kwargs` (an object of keyword arguments for the chat
+template), `separate_reasoning` and `stream_reasoning` (server/chat_output.py) are taken. Fields
 that do not change the output (`user`, `metadata`, `store`, `service_tier`) are accepted. Fields
 no API defines are ignored, as OpenAI-compatible servers do, and logged.
 """
@@ -49,6 +51,13 @@ class StreamOptions(_Body):
 MAX_TOOLS = 128  # tools per request, and tool calls per message
 MAX_CHOICES = 256  # prompts x n of one request: each is a scheduler request (--max-queued-requests bounds them too)
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+
+
+# what the server itself passes to the chat template rendering (chat_template_kwargs may not)
+TEMPLATE_ARGUMENTS = frozenset(
+    "conversation messages tools documents chat_template add_generation_prompt continue_final_message tokenize "
+    "padding truncation max_length return_tensors return_dict return_assistant_tokens_mask tokenizer_kwargs".split()
+)
 
 
 def _unsupported(field: str, what: str) -> JaxspecError:
@@ -210,6 +219,16 @@ class ChatCompletionRequest(_OpenAICommon):
     prediction: Any = None
     reasoning_effort: str | None = None
     web_search_options: Any = None
+    # SGLang's chat extensions
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='SGLang extension: keyword arguments for the chat template, e.g. {"enable_thinking": false}'
+    )
+    separate_reasoning: bool = Field(
+        True, description="SGLang extension: with --reasoning-parser, return the reasoning as reasoning_content"
+    )
+    stream_reasoning: bool = Field(
+        True, description="SGLang extension: false streams the reasoning as one delta once it is complete"
+    )
 
     @model_validator(mode="after")
     def _refuse_unsupported_chat(self):
@@ -228,6 +247,9 @@ class ChatCompletionRequest(_OpenAICommon):
             raise _unsupported("reasoning_effort", "reasoning_effort")
         if self.web_search_options is not None:
             raise _unsupported("web_search_options", "web search")
+        taken = sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise JaxspecError(f"chat_template_kwargs: {', '.join(taken)} cannot be set (the server passes it)")
         return self
 
     def top_logprobs_wanted(self) -> int | None:
