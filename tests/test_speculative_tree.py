@@ -61,10 +61,16 @@ def test_rerank_matches_python(k, steps, n):
         np.testing.assert_array_equal(np.asarray(tree.anc)[0], panc)
 
 
-def random_tree(rng, n, max_depth):
+def random_tree(rng, n, max_depth, pad=0.0):
+    """Random parents (parent[i] < i) and tokens; with probability pad a node is padding, its own
+    parent (as NGRAM's unused slots are), which no walk may reach whatever its token."""
     parent = [0]
     depth = [0]
     for i in range(1, n):
+        if rng.random() < pad:
+            parent.append(i)
+            depth.append(max_depth + 1)
+            continue
         choices = [j for j in range(i) if depth[j] < max_depth]
         p = int(rng.choice(choices))
         parent.append(p)
@@ -86,10 +92,12 @@ def py_greedy(toks, parent, target, steps):
 
 def test_greedy_verify_matches_python():
     rng = np.random.default_rng(0)
-    for _ in range(50):
+    for trial in range(80):
         n, steps = int(rng.integers(2, 12)), int(rng.integers(1, 5))
-        toks, parent = random_tree(rng, n, steps)
+        toks, parent = random_tree(rng, n, steps, pad=0.3 if trial % 2 else 0.0)
         logits = rng.normal(size=(n, 6)).astype(np.float32)
+        if trial % 4 == 1:  # padding nodes hold the very token the target wants after themselves
+            toks = np.where(parent == np.arange(n), logits.argmax(-1), toks)
         tree = build_tree(jnp.asarray(toks)[None], jnp.asarray(parent, jnp.int32)[None], steps)
         acc = greedy_verify(tree, jnp.asarray(logits)[None], steps)
         num, path, bonus = py_greedy(toks, parent, logits.argmax(-1), steps)
@@ -113,9 +121,9 @@ def py_sample_accept(toks, parent, probs, coins, steps, ts, ta):
 @pytest.mark.parametrize("ts,ta", [(1.0, 1.0), (0.3, 0.7)])
 def test_sample_accept_matches_python(ts, ta):
     rng = np.random.default_rng(1)
-    for _ in range(50):
+    for trial in range(50):
         n, steps = int(rng.integers(2, 12)), int(rng.integers(1, 5))
-        toks, parent = random_tree(rng, n, steps)
+        toks, parent = random_tree(rng, n, steps, pad=0.3 if trial % 2 else 0.0)
         probs = rng.dirichlet(np.ones(6) * 0.5, size=n).astype(np.float32)
         coins = rng.random(n).astype(np.float32)
         tree = build_tree(jnp.asarray(toks)[None], jnp.asarray(parent, jnp.int32)[None], steps)

@@ -58,7 +58,9 @@ def _walk(tree: Tree, num_steps: int, found, child):
     node = jnp.arange(n)
     at_parent = lambda a: jnp.take_along_axis(a, tree.parent, 1)
     chosen = (at_parent(found) & (at_parent(child) == node)) | (node == 0)  # [B, N]
-    on = ~any_of(tree.anc & ~chosen[:, None, :])  # [B, N] every ancestor (and itself) chosen
+    # [B, N] below the root (a padding node that is its own parent is not) and every ancestor (and
+    # itself) chosen
+    on = tree.anc[:, :, 0] & ~any_of(tree.anc & ~chosen[:, None, :])
     num = functools.reduce(jnp.add, [on[:, i].astype(jnp.int32) for i in range(n)]) - 1
     cur = first_true(on & (tree.depth == num[:, None]))
     path = [jnp.where(d <= num, first_true(on & (tree.depth == d)), cur) for d in range(num_steps + 1)]
