@@ -25,6 +25,7 @@ SUPPORTED = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",  # dense Qwen3: per-head RMSNorm on q and k (qk_norm), no q/k/v bias
+    "qwen3_moe": "Qwen3MoeForCausalLM",  # Qwen3 attention; sparse MoE blocks (models/moe.py) in some layers
     "mimo": "MiMoForCausalLM",  # Qwen2 layers (+ MTP layers, used as a draft: models/mtp.py)
 }
 QWEN2_LIKE = ("qwen2", "mimo")  # q/k/v always carry a bias, o_proj never
@@ -56,12 +57,30 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm [head_dim] on each query and key head before RoPE (Qwen3)
     sliding_window: int | None = None
+    # Qwen3-MoE (num_experts > 0): a layer i is sparse (models/moe.py) unless i is in mlp_only_layers
+    # or (i + 1) % decoder_sparse_step != 0; its experts are SwiGLU MLPs of moe_intermediate_size,
+    # the router's top num_experts_per_tok probabilities weigh them (renormalised if norm_topk_prob)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     @property
     def num_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) has a sparse MoE block instead of a dense MLP."""
+        step_ok = self.decoder_sparse_step > 0 and (layer + 1) % self.decoder_sparse_step == 0
+        return self.num_experts > 0 and layer not in self.mlp_only_layers and step_ok
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_sparse(i))
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
@@ -95,7 +114,9 @@ class ModelConfig:
         sliding = None
         if mt == "mistral":
             sliding = d.get("sliding_window")
-        elif mt in ("qwen2", "qwen3") and (d.get("use_sliding_window") or set(d.get("layer_types") or ()) - FULL):
+        elif mt in ("qwen2", "qwen3", "qwen3_moe") and (
+            d.get("use_sliding_window") or set(d.get("layer_types") or ()) - FULL
+        ):
             raise JaxspecError(f"{archs[0]} with sliding-window layers (use_sliding_window=true) is not supported")
         attn_bias = bool(d.get("attention_bias", False))
         eos = d.get("eos_token_id")
@@ -120,8 +141,9 @@ class ModelConfig:
             qkv_bias=(mt in QWEN2_LIKE) or attn_bias,
             o_bias=attn_bias and mt not in QWEN2_LIKE,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=mt == "qwen3",
+            qk_norm=mt in ("qwen3", "qwen3_moe"),
             sliding_window=sliding,
+            **(moe_fields(d, archs[0]) if mt == "qwen3_moe" else {}),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -129,6 +151,30 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: str) -> ModelConfig:
         return cls.from_hf(read_json(path))
+
+
+def moe_fields(d: dict[str, Any], arch: str) -> dict[str, Any]:
+    """ModelConfig's MoE fields from a Qwen3-MoE HF config (transformers >= 5 writes num_experts as
+    num_local_experts); JaxspecError for what jaxspec does not run."""
+    experts = d.get("num_experts", d.get("num_local_experts"))
+    k, inter = d.get("num_experts_per_tok"), d.get("moe_intermediate_size")
+    if not experts or not k or not inter:
+        raise JaxspecError(f"{arch} needs num_experts, num_experts_per_tok and moe_intermediate_size > 0")
+    if k > experts:
+        raise JaxspecError(f"{arch}: num_experts_per_tok={k} is more than num_experts={experts}")
+    if d.get("shared_expert_intermediate_size"):
+        raise JaxspecError(f"{arch} with a shared expert (shared_expert_intermediate_size) is not supported")
+    step = int(d.get("decoder_sparse_step") or 1)
+    if step < 1:
+        raise JaxspecError(f"{arch}: decoder_sparse_step={step} must be >= 1")
+    return dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(k),
+        moe_intermediate_size=int(inter),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        decoder_sparse_step=step,
+        mlp_only_layers=tuple(sorted(int(i) for i in d.get("mlp_only_layers") or ())),
+    )
 
 
 def read_json(path: str) -> dict:
@@ -163,7 +209,7 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 # ---- speculative decoding ------------------------------------------------------------------------
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 NGRAM_DEFAULT_DRAFT_TOKENS = 12  # SGLang's default speculative_num_draft_tokens for NGRAM
 
 

@@ -23,6 +23,8 @@ embedding / LM head stay (token embeddings and EAGLE drafts read them), so this 
 more memory. An EAGLE-3 draft's own LM head [H, Vd] is read only for the draft's logits, so under
 w8a8_int8 it is quantized like the draft's layers: in float32 (SmolLM2's earlier head, 4,096 x 576) it was
 two of the costliest ops of a CPU round, one product per draft step.
+Mixture-of-experts blocks (Qwen3-MoE, models/moe.py) are not quantized yet: their routers and
+stacked experts stay in the model's dtype under every mode (a warning says so).
 Every `Linear` but LM heads gets an integer/fp8 `kernel` [in, out] and a float32 `scale` [out];
 `Linear.__call__` computes (x @ q) * scale with q converted to x's dtype (XLA:GPU fuses that conversion
 into the matmul; XLA:CPU materialises the float weight first, so on CPU it saves memory, not time);
@@ -35,12 +37,15 @@ target that verifies is the quantized one.
 
 from __future__ import annotations
 
+import logging
+
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec import native
 from jaxspec.errors import JaxspecError
 from jaxspec.models.llama import Linear, LlamaForCausalLM
+from jaxspec.models.moe import SparseMoeBlock
 
 QMAX = {"int8": 127.0, "fp8": 448.0, "w8a8_int8": 127.0}
 QDTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "w8a8_int8": jnp.int8}
@@ -66,6 +71,10 @@ def quantize_model(model: nnx.Module, mode: str | None) -> nnx.Module:
     if mode not in QMAX:
         raise JaxspecError(f"unknown quantization {mode!r}; known: {', '.join(QMAX)}, unquant")
     nodes = list(nnx.iter_graph(model))
+    if any(isinstance(m, SparseMoeBlock) for _, m in nodes):
+        logging.getLogger("jaxspec").warning(
+            "%s: the mixture-of-experts layers' routers and experts are not quantized (they stay float)", mode
+        )
     # a target's LM head stays (w8a8_int8 adds head_int8 below); a draft's own LM head (EAGLE-3's
     # [H, Vd], read only for its logits) is quantized like its layers under w8a8_int8
     target_heads = {id(m.lm_head) for _, m in nodes if isinstance(m, LlamaForCausalLM) and m.lm_head is not None}

@@ -39,6 +39,8 @@ TINY = dict(
     eos_token_id=2,
 )
 
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0], norm_topk_prob=True)
+
 # family -> (transformers config class name, model class name, extra config kwargs)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0)),
@@ -72,6 +74,19 @@ FAMILIES = {
             head_dim=32, tie_word_embeddings=False, rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=1e6)
         ),
     ),
+    # Qwen3 attention, 8 experts (top 2) in layer 1, a dense MLP in layer 0 (mlp_only_layers)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=32, tie_word_embeddings=True, **MOE)),
+    # three layers, the middle one sparse (decoder_sparse_step 2); top-k weights not renormalised
+    "qwen3_moe_step2": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=32,
+            **{**MOE, "mlp_only_layers": [], "norm_topk_prob": False},
+            decoder_sparse_step=2,
+            num_hidden_layers=3,
+        ),
+    ),
 }
 
 
@@ -89,6 +104,8 @@ def make_hf_model(family: str, seed: int = 0, **overrides):
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif n.endswith("mlp.gate.weight"):  # MoE routers: clear top-k choices, not near-ties
+                p.copy_(torch.randn_like(p))
             elif n.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
     return model

@@ -105,7 +105,7 @@ def test_config(dirs):
     with pytest.raises(JaxspecError, match="sliding-window"):
         ModelConfig.from_hf({**d, "use_sliding_window": True, "layer_types": ["sliding_attention"] * 2})
     with pytest.raises(JaxspecError, match="unsupported architecture"):
-        ModelConfig.from_hf({**d, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]})
+        ModelConfig.from_hf({**d, "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]})
     # the norms [head_dim] are replicated under tensor parallelism (each device norms its own heads)
     assert param_spec(("layers", 0, "self_attn", "q_norm", "weight"), (32,), 2) == P()
 

@@ -11,8 +11,9 @@ reduction kernel each, and adds one per norm, one for q's RoPE, a scatter each f
 pad and a merge around the attention kernel. The result is the unfused layer's up to float rounding
 (float32 accumulation in both). The unfused path stays for everything else: weights quantized,
 laid out for several tensor-parallel shards or out-major; rows not a power of two up to 64;
-dimensions not multiples of the kernels' blocks; projections larger than MAX_WEIGHT; and layers
-with per-head q/k norms (Qwen3), which the q/k/v kernel does not apply before its RoPE.
+dimensions not multiples of the kernels' blocks; projections larger than MAX_WEIGHT; layers
+with per-head q/k norms (Qwen3), which the q/k/v kernel does not apply before its RoPE; and layers
+with a mixture-of-experts block (Qwen3-MoE, models/moe.py) in place of the MLP.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def _plain(lin: Any) -> bool:
 def _takes(attn: Any, mlp: Any, rows: int, backend: str, cache: Any) -> bool:
     """Whether an attention + MLP pair runs fused for `rows` rows on `backend` with `cache`."""
     if not backend.startswith("pallas") or cache.sharding is not None:
+        return False
+    if getattr(mlp, "is_moe", False):  # a mixture of experts (models/moe.py): unfused
         return False
     if attn.shards != 1 or mlp.shards != 1 or attn.cfg.head_dim % 2:
         return False

@@ -1,8 +1,9 @@
-"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3 dense) in Flax NNX.
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3 dense and MoE) in Flax NNX.
 
 GQA, RoPE with default / linear / llama3 scaling, optional q/k/v (and o) bias, optional per-head
 RMSNorm of q and k before RoPE (Qwen3: q_norm, k_norm), tied or untied embeddings, float32 /
-bfloat16 / float16 parameters (norms and softmax in float32).
+bfloat16 / float16 parameters (norms and softmax in float32). Qwen3-MoE's sparse layers have a
+mixture-of-experts block (models/moe.py) where the others have the MLP.
 
 Checkpoints, conversion and training see the HF layout (separate q/k/v_proj and gate/up_proj);
 inference engines call `fuse_projections` once after loading, so that a layer runs one q/k/v matmul
@@ -34,6 +35,7 @@ from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig, rope_inv_freq
 from jaxspec.errors import JaxspecError
 from jaxspec.models import fused_layer
+from jaxspec.models.moe import SparseMoeBlock
 
 INIT_STD = 0.02
 
@@ -270,12 +272,14 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, input_norm: bool = True):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, input_norm: bool = True, index: int | None = None):
         # EAGLE-1/2 draft layers have no input_layernorm.
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if input_norm else None
         self.self_attn = Attention(cfg, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        # index: the layer's place in the target (None: a draft's layer), which says whether it is sparse
+        sparse = index is not None and cfg.is_sparse(index)
+        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(cfg, dtype, rngs) if sparse else MLP(cfg, dtype, rngs)
 
     def __call__(self, x, positions, inv_freq, cache, layer, local_mask, offset, backend):
         if fused_layer.applies(self, x.shape[0] * x.shape[1], backend, cache):  # few rows on a GPU: five kernels
@@ -296,7 +300,7 @@ class LlamaForCausalLM(nnx.Module):
         self.embed_tokens = nnx.Param(
             jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype) * INIT_STD
         )
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs, index=i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (
             None

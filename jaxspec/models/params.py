@@ -5,10 +5,19 @@ The NNX module tree mirrors HF names, so the table is one rule:
   ("embed_tokens",) <-> "model.embed_tokens.weight";  ("lm_head", "kernel") <-> "lm_head.weight" (transposed)
 All missing / mismatched tensors are reported together. This is the unfused layout; engines fuse
 q/k/v and gate/up only afterwards (models/llama.py:fuse_projections).
+
+Mixture-of-experts layers (Qwen3-MoE, models/moe.py) hold each layer's experts stacked, under the
+names HF transformers >= 5 gives them in memory: ("layers", 3, "mlp", "experts", "gate_up_proj")
+[E, H, 2I] <-> "model.layers.3.mlp.experts.gate_up_proj" [E, 2I, H] (the last two axes swapped),
+and down_proj [E, I, H] <-> [E, H, I]. Checkpoints store one tensor per expert
+("model.layers.3.mlp.experts.7.gate_proj.weight"); `stack_experts` presents them under the stacked
+names, so that the rest of loading sees one tensor per layer. The router is
+("layers", 3, "mlp", "gate", "weight") <-> "model.layers.3.mlp.gate.weight" [E, H], as stored.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 import jax.numpy as jnp
@@ -26,16 +35,64 @@ from jaxspec.models.mtp import is_mtp_tensor
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+# a checkpoint's per-expert tensor: layer, expert, projection
+PROJ = ("gate_proj", "up_proj", "down_proj")
+EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
 def hf_key(path: tuple) -> tuple[str, bool]:
-    """NNX path -> (HF key, transpose?)."""
+    """NNX path -> (HF key, transpose? (of the last two axes))."""
     parts = [str(p) for p in path]
-    transpose = parts[-1] == "kernel"
+    transpose = parts[-1] == "kernel" or (len(parts) > 1 and parts[-2] == "experts")
     if parts == ["embed_tokens"]:
         return "model.embed_tokens.weight", False
     if parts[-1] in ("kernel",):
         parts[-1] = "weight"
     prefix = "" if parts[0] == "lm_head" else "model."
     return prefix + ".".join(parts), transpose
+
+
+def stack_experts(
+    cfg: ModelConfig, names: Iterable[str], get: Callable[[str], np.ndarray]
+) -> tuple[list[str], Callable[[str], np.ndarray]]:
+    """(names, get) with each MoE layer's per-expert tensors replaced by two stacked ones (module
+    docstring): "model.layers.N.mlp.experts.gate_up_proj" [E, 2I, H] (expert e: its gate_proj rows,
+    then its up_proj rows) and "...experts.down_proj" [E, H, I]. A checkpoint already stacked so
+    passes through. A layer whose experts are not exactly 0..num_experts - 1, each with its three
+    tensors, is a JaxspecError."""
+    names = list(names)
+    per_layer: dict[int, set[str]] = {}
+    rest = []
+    for n in names:
+        m = EXPERT_KEY.match(n)
+        if m:
+            per_layer.setdefault(int(m[1]), set()).add(n)
+        else:
+            rest.append(n)
+    if not per_layer:
+        return names, get
+    e = cfg.num_experts
+    for layer, have in sorted(per_layer.items()):
+        want = {f"model.layers.{layer}.mlp.experts.{i}.{p}.weight" for i in range(e) for p in PROJ}
+        if have != want:
+            bad = sorted(want - have)[:2] + sorted(have - want)[:2]
+            raise JaxspecError(
+                f"checkpoint does not match its config: layer {layer}'s experts are not {e} experts with "
+                f"gate_proj / up_proj / down_proj each (e.g. {', '.join(bad)})"
+            )
+    stacked: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for layer in per_layer:
+        p = f"model.layers.{layer}.mlp.experts."
+        stacked[p + "gate_up_proj"] = (p, ("gate_proj", "up_proj"))
+        stacked[p + "down_proj"] = (p, ("down_proj",))
+
+    def get_stacked(key: str) -> np.ndarray:
+        if key not in stacked:
+            return get(key)
+        p, projs = stacked[key]
+        return np.stack([np.concatenate([np.asarray(get(f"{p}{i}.{q}.weight")) for q in projs]) for i in range(e)])
+
+    return rest + list(stacked), get_stacked
 
 
 def load_model(
@@ -55,6 +112,7 @@ def load_model(
         or (n == "lm_head.weight" and cfg.tie_word_embeddings)
         or is_mtp_tensor(n, cfg.num_layers)
     )
+    names, get = stack_experts(cfg, names, get)
     return load_module(
         lambda: LlamaForCausalLM(cfg, dtype, rngs=nnx.Rngs(0)), hf_key, names, get, dtype, progress, desc, ignore, place
     )
@@ -136,7 +194,7 @@ def load_module(
         used.add(key)
         arr = get(key)
         if transpose:
-            arr = arr.T
+            arr = np.swapaxes(arr, -1, -2)
         if tuple(arr.shape) != tuple(var.shape):
             bad_shape.append(f"{key}: checkpoint {tuple(arr.shape)} vs model {tuple(var.shape)}")
             continue
@@ -170,7 +228,7 @@ def module_tensors(module, key_fn) -> dict[str, np.ndarray]:
     for path, var in nnx.to_flat_state(nnx.state(module, nnx.Variable)):
         key, transpose = key_fn(path)
         arr = np.asarray(var[...])
-        out[key] = np.ascontiguousarray(arr.T if transpose else arr)
+        out[key] = np.ascontiguousarray(np.swapaxes(arr, -1, -2) if transpose else arr)
     return out
 
 
