@@ -200,10 +200,10 @@ class SpeculativeArgs:
         choices=("prefill", "decode"),
     )
     speculative_moe_runner_backend: str | None = flag(
-        None, "SGLang: MoE kernels of the draft; accepted for compatibility (jaxspec's models have no MoE layers)"
+        None, "SGLang: MoE kernels of the draft; accepted for compatibility (jaxspec's drafts have no MoE layers)"
     )
     speculative_moe_a2a_backend: str | None = flag(
-        None, "SGLang: MoE all-to-all of the draft; accepted for compatibility (jaxspec's models have no MoE layers)"
+        None, "SGLang: MoE all-to-all of the draft; accepted for compatibility (jaxspec's drafts have no MoE layers)"
     )
     enable_multi_layer_eagle: bool = flag(
         False,
@@ -254,6 +254,16 @@ class SpeculativeArgs:
     )
     speculative_ngram_capacity: int = flag(
         10 * 1000 * 1000, "NGRAM: tokens kept in the text shared by all requests (oldest dropped first)"
+    )
+    speculative_suffix_draft_tokens: int = flag(
+        0,
+        "EAGLE / EAGLE3 / STANDALONE: also propose up to this many tokens continuing the longest earlier match of "
+        "the request's latest tokens in its own text and in earlier requests' (NGRAM's matching, its "
+        "--speculative-ngram-* window, branch length and capacity; the most frequent continuations first), merged "
+        "into the draft's tree and verified with it in one target forward; 0 = off",
+    )
+    speculative_suffix_min_match: int = flag(
+        4, "with --speculative-suffix-draft-tokens: only matches of at least this many tokens propose"
     )
     speculative_ngram_force_greedy_verify: bool | None = flag(
         None,
@@ -309,6 +319,11 @@ class SpeculativeArgs:
                 raise JaxspecError(f"{name} must be in (0, 1], got {v}")
         knobs = self.tree_knobs
         if algo == "NGRAM":
+            if self.speculative_suffix_draft_tokens:
+                raise JaxspecError(
+                    "--speculative-suffix-draft-tokens merges text matches into a draft model's tree: it needs "
+                    "EAGLE, EAGLE3 or STANDALONE (NGRAM proposes from text matches alone)"
+                )
             n = self.speculative_num_draft_tokens
             if n is not None and n < 2:
                 raise JaxspecError(f"speculative_num_draft_tokens must be >= 2 for NGRAM, got {n}")
@@ -316,6 +331,23 @@ class SpeculativeArgs:
             if self.speculative_adaptive:
                 raise JaxspecError("speculative_adaptive is not supported with NGRAM yet")
             return
+        if self.speculative_suffix_draft_tokens:
+            if self.speculative_suffix_draft_tokens < 0 or self.speculative_suffix_min_match < 1:
+                raise JaxspecError(
+                    "need speculative_suffix_draft_tokens >= 0 and speculative_suffix_min_match >= 1, got "
+                    f"{self.speculative_suffix_draft_tokens}, {self.speculative_suffix_min_match}"
+                )
+            for name in ("enable_multi_layer_eagle", "speculative_online_train"):
+                if getattr(self, name):
+                    raise JaxspecError(
+                        f"--speculative-suffix-draft-tokens is not supported with --{name.replace('_', '-')} yet"
+                    )
+            self._validate_ngram()
+            if self.speculative_suffix_min_match > self.speculative_ngram_max_match_window_size:
+                raise JaxspecError(
+                    f"speculative_suffix_min_match {self.speculative_suffix_min_match} is more than the longest match "
+                    f"tried, speculative_ngram_max_match_window_size {self.speculative_ngram_max_match_window_size}"
+                )
         if algo == "STANDALONE" and self.speculative_draft_model_path is None:
             raise JaxspecError("speculative_algorithm=STANDALONE needs speculative_draft_model_path")
         if any(k is None for k in knobs) and not all(k is None for k in knobs):

@@ -264,6 +264,11 @@ class SpecConfig:
     accept_threshold_acc: float = 1.0
     token_map: str | None = None
     ngram: NgramConfig | None = None  # NGRAM only
+    # --speculative-suffix-draft-tokens: text-match candidates merged into a draft model's tree
+    # (speculative/proposers/suffix.py): up to suffix_nodes nodes below the root, found as NGRAM's
+    # are (suffix: most frequent first, matches of at least --speculative-suffix-min-match tokens)
+    suffix: NgramConfig | None = None
+    suffix_nodes: int = 0
     adaptive: bool = False  # speculative/adaptive.py: speculate or not, chosen per block of rounds
     # sampled requests draw one path of drafts from the draft distribution and accept it by
     # min(1, p / q) (speculative/tree.py, verify.py); False: the target-only rule throughout
@@ -286,11 +291,35 @@ class SpecConfig:
         return self.algorithm in ("EAGLE", "EAGLE3")
 
     @property
+    def suffix_depth(self) -> int:
+        """The deepest text-match candidate below the root (0 without them)."""
+        if self.suffix is None:
+            return 0
+        return max(1, min(self.suffix_nodes, self.suffix.branch_length - 1))
+
+    @property
+    def depth(self) -> int:
+        """The verified tree's depth bound: accepted drafts per round are at most this (num_steps, or
+        deeper text-match candidates)."""
+        return max(self.num_steps, self.suffix_depth)
+
+    @property
+    def tree_nodes(self) -> int:
+        """Nodes verified per round, root included: the draft's num_draft_tokens plus the text-match
+        candidates merged into its tree."""
+        return self.num_draft_tokens + self.suffix_nodes
+
+    @property
+    def text_match(self) -> NgramConfig | None:
+        """The matching of the text shared by requests (NGRAM's, or the merged text-match candidates')."""
+        return self.ngram if self.ngram is not None else self.suffix
+
+    @property
     def scratch_tokens(self) -> int:
         """KV-cache columns a round writes past a request's last token: the verified tree
-        (num_draft_tokens) plus the draft's own tree steps (num_steps * eagle_topk), plus 2 for the
+        (tree_nodes) plus the draft's own tree steps (num_steps * eagle_topk), plus 2 for the
         bonus token and the next round's root."""
-        return 0 if not self.enabled else self.num_draft_tokens + self.num_steps * self.eagle_topk + 2
+        return 0 if not self.enabled else self.tree_nodes + self.num_steps * self.eagle_topk + 2
 
     def for_kind(self, sampled: bool) -> SpecConfig:
         """The tree shape rounds of this kind run: with `sampled` (some row draws) and drafts drawn
@@ -387,6 +416,11 @@ class SpecConfig:
         adaptive = (
             shipped_tree is not None and not explicit if a.speculative_adaptive is None else a.speculative_adaptive
         )
+        suffix = None
+        if a.speculative_suffix_draft_tokens:
+            text = NgramConfig.from_args(a)
+            lo = max(text.min_match_window_size, a.speculative_suffix_min_match)
+            suffix = dataclasses.replace(text, match_type="PROB", min_match_window_size=lo)
         return cls(
             algo,
             draft_model_path,
@@ -400,4 +434,6 @@ class SpecConfig:
             multi_layer=bool(a.enable_multi_layer_eagle),
             attention_mode=a.speculative_attention_mode,
             sampled_topk=sampled_topk,
+            suffix=suffix,
+            suffix_nodes=a.speculative_suffix_draft_tokens if suffix is not None else 0,
         )

@@ -64,6 +64,7 @@ from jaxspec.speculative.online_process import OnlineProcess, wanted_process
 from jaxspec.speculative.proposers import Proposer
 from jaxspec.speculative.proposers.eagle import EagleProposer, unpack_features
 from jaxspec.speculative.proposers.ngram import Corpus
+from jaxspec.speculative.proposers.suffix import with_text_match
 from jaxspec.weights import Models
 
 logger = logging.getLogger("jaxspec")
@@ -193,7 +194,7 @@ class Engine:
         if self.adaptive is not None:
             _LIVE.add(self)
         self._corpus: Corpus | None = None
-        if self.spec.algorithm == "NGRAM":
+        if self.spec.text_match is not None:  # NGRAM, or text-match candidates beside a draft model
             self.reset_ngram_corpus()
         self._rng = np.random.default_rng(args.random_seed)
         self.online: OnlineTrainer | OnlineProcess | None = None
@@ -205,6 +206,8 @@ class Engine:
             # the draft cache keeps the target's features for it to train on (no second forward)
             assert isinstance(self.proposer, EagleProposer)  # (OnlineTrainer refuses other drafts)
             self.proposer = dataclasses.replace(self.proposer, keep_features=True)
+        if self.spec.suffix is not None and self.proposer is not None:
+            self.proposer = with_text_match(self.proposer)
 
     def swap_draft(self, path: str) -> None:
         """Replaces the draft's weights with the head at `path` (same architecture and draft vocabulary;
@@ -213,6 +216,8 @@ class Engine:
         proposer, dparams = prepare_draft(spec, self.loaded, self.args.dtype, self._draft_layout, self.mesh, False)
         if str(jax.tree.structure(dparams)) != str(jax.tree.structure(self.dparams)):
             raise JaxspecError(f"the head at {path} does not have the served draft's layout")
+        if self.dparams and "corpus" in self.dparams:  # the text shared by requests stays
+            dparams = {**dparams, "corpus": self.dparams["corpus"]}
         self.dparams = dparams
 
     def save_draft(self, path: str) -> str:
@@ -297,13 +302,16 @@ class Engine:
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
 
     def reset_ngram_corpus(self, reserve: int = 4096) -> None:
-        """NGRAM: empties the n-gram text shared by all requests (speculative/proposers/ngram.py). Its device
+        """NGRAM and text-match candidates: empties the text shared by all requests
+        (speculative/proposers/ngram.py). Its device
         copy is padded to a power of two of at least `reserve` tokens; each larger size recompiles
         the round, so a reserve that holds the whole workload compiles once."""
-        if self.spec.algorithm != "NGRAM":
-            raise JaxspecError("reset_ngram_corpus needs speculative_algorithm='NGRAM'")
-        assert self.spec.ngram is not None
-        self._corpus = Corpus(self.spec.ngram.capacity, reserve=reserve)
+        match = self.spec.text_match
+        if match is None:
+            raise JaxspecError(
+                "reset_ngram_corpus needs speculative_algorithm='NGRAM' or speculative_suffix_draft_tokens"
+            )
+        self._corpus = Corpus(match.capacity, reserve=reserve)
         self.dparams = {**(self.dparams or {}), "corpus": self._corpus.device()}
 
     @property

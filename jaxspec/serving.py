@@ -39,6 +39,7 @@ from jaxspec.sampling import SamplingTensors, sample
 from jaxspec.sharding import put
 from jaxspec.speculative.loop import SpecState, plain_steps, prefill_step, spec_round
 from jaxspec.speculative.proposers.base import DraftState
+from jaxspec.speculative.proposers.suffix import SuffixCache
 from jaxspec.weights import Models
 
 
@@ -84,7 +85,7 @@ class SlotBatch:
         window: int,
         num_stop: int,
         dtype,
-        num_steps: int = 0,
+        depth: int = 0,  # the speculative tree's depth bound (SpecConfig.depth)
         kv_sharding=None,
         top_logprobs: int | None = None,
         grammar: bool = False,
@@ -120,7 +121,7 @@ class SlotBatch:
             core = SpecState(
                 draft=draft,
                 verify_ct=zi(b),
-                hist=zi(b, num_steps + 2),
+                hist=zi(b, depth + 2),
                 counts=zi(b, v),
                 seen=jnp.zeros((b, v), bool),
                 **common,
@@ -183,7 +184,9 @@ def copy_prefix(batch: SlotBatch, src, dst, length) -> SlotBatch:
 
         return jax.lax.fori_loop(0, blocks, block, x)
 
-    def fix(c):  # a cache (KVCache, NGRAM's history): its columns copied, dst's length set
+    def fix(c):  # a cache (KVCache, NGRAM's history, both): its columns copied, dst's length set
+        if isinstance(c, SuffixCache):
+            return SuffixCache(fix(c.kv), fix(c.text))
         c = jax.tree_util.tree_map(copy, c)
         return dataclasses.replace(c, lengths=c.lengths.at[dst].set(length))
 

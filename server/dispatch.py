@@ -192,7 +192,7 @@ class Dispatch(SchedulerState):
             return
         block = np.stack([hist[s][1:] - (np.asarray(r.hist) if r.hist is not None else 0) for s, r in reqs])
         greedy = np.array([not any_sampled([r.params]) for _, r in reqs], bool)
-        acc = self.adaptive.observe_acceptance(block, greedy, item.spec.num_steps)
+        acc = self.adaptive.observe_acceptance(block, greedy, item.spec.depth)
         for (_, r), x in zip(reqs, acc):
             r.acc = x if r.acc is None else r.acc + x
 
@@ -267,7 +267,7 @@ class Dispatch(SchedulerState):
                 st.spec_tokens += len(r.out_ids) - plain
                 st.spec_verify_ct += r.verify_ct - plain
                 st.spec_plain_steps += plain
-        if self.spec is not None and self.spec.algorithm == "NGRAM" and reason["type"] != "abort":
+        if self.spec is not None and self.spec.text_match is not None and reason["type"] != "abort":
             self._ngram_add(r)
         if self.eng.online is not None and reason["type"] != "abort":
             self._learn(r)

@@ -88,7 +88,7 @@ class SchedulerState:
         self.min_span = int(min_span or default_span)  # smallest KV span a program reads
         if self.k < 1:
             raise JaxspecError("--num-continuous-decode-steps must be >= 1")
-        steps = self.spec.num_steps if self.spec else 0
+        steps = self.spec.depth if self.spec else 0
         self.window = self.k * (steps + 1)
         # KV columns a round of the server's shape writes past a request's last token
         self.scratch = self.spec.scratch_tokens if self.spec else 0
@@ -227,7 +227,7 @@ class SchedulerState:
             self.window,
             self.num_stop,
             eng.dtype,
-            self.spec.num_steps if self.spec else 0,
+            self.spec.depth if self.spec else 0,
             eng.kv_sharding if sharded else None,
             top_logprobs=top_k_for(eng.cfg.vocab_size),
             grammar=self.grammar,

@@ -86,6 +86,21 @@ CONFIGS = {
         dict(speculative_algorithm="NEXTN", **_tree(3, 4, 8)),
         0.2,
     ),  # the MTP module in the target's checkpoint
+    # the EAGLE-3 tree and text-match candidates in one tree; four batches of 1024, each later batch
+    # matching its predecessors' outputs (the shared text) as NGRAM's below
+    "eagle3-suffix": (
+        dict(
+            speculative_algorithm="EAGLE3",
+            speculative_draft_model_path="<eagle3>",
+            **_tree(3, 4, 8),
+            speculative_suffix_draft_tokens=4,
+            speculative_suffix_min_match=1,
+            speculative_ngram_max_match_window_size=4,
+            speculative_ngram_capacity=1024,
+            max_running_requests=1024,
+        ),
+        0.4,
+    ),
     # four batches of 1024: each later batch matches its predecessors' outputs (the shared n-gram text)
     "ngram": (
         dict(

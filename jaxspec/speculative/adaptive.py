@@ -165,18 +165,18 @@ class Adaptive:
 
     def empty(self, n: int = 0) -> np.ndarray:
         """Acceptance counts [n, 2, D] of requests that have run no round."""
-        return np.zeros((n, 2, self.spec.num_steps))
+        return np.zeros((n, 2, self.spec.depth))
 
     def expected_tokens(self, acc: np.ndarray, greedy: np.ndarray, spec: SpecConfig | None = None) -> np.ndarray:
         """acc [R, 2, D] per-request acceptance counts, greedy [R] bool -> E[tokens per round] [R]
         of the tree shape `spec` (default: the configured one)."""
         spec = self.spec if spec is None else spec
-        start = np.stack([np.ones(self.spec.num_steps), np.full(self.spec.num_steps, 0.5)])  # none seen yet
+        start = np.stack([np.ones(self.spec.depth), np.full(self.spec.depth, 0.5)])  # none seen yet
         prior = np.stack([self.prior.get(bool(g), start) for g in greedy])  # [R, 2, D]
         cond0 = np.where(prior[:, 0] > 0, prior[:, 1] / np.maximum(prior[:, 0], 1e-9), 0.5)
         w = self.prior_rounds
         cond = (acc[:, 1] + w * cond0) / (acc[:, 0] + w)
-        return 1.0 + np.cumprod(cond, -1)[:, : spec.num_steps].sum(-1)
+        return 1.0 + np.cumprod(cond, -1)[:, : spec.depth].sum(-1)
 
     def choose(
         self,
@@ -286,11 +286,11 @@ class Adaptive:
         return float((x[lo] + x[min(hi, len(x) - 1)]) / 2)
 
     def observe_acceptance(self, block_hist: np.ndarray, greedy: np.ndarray, depth: int) -> np.ndarray:
-        """block_hist [R, D + 1]: rounds of a block of a shape with `depth` draft steps that accepted
+        """block_hist [R, D + 1]: rounds of a block of a shape accepting at most `depth` drafts that accepted
         0 .. D drafts, per request; greedy [R]. Adds them to the prior of each kind; returns their
         acceptance counts [R, 2, D]."""
         surv = np.cumsum(block_hist[:, ::-1], axis=1)[:, ::-1].astype(np.float64)  # rounds that accepted >= j
-        reached = np.arange(1, self.spec.num_steps + 1) <= depth
+        reached = np.arange(1, self.spec.depth + 1) <= depth
         acc = np.stack([surv[:, :-1] * reached, surv[:, 1:] * reached], 1)
         for g in (False, True):
             total = acc[greedy == g].sum(0)
@@ -413,6 +413,6 @@ class Adaptive:
             self.observe_cost(c, batch, time.perf_counter() - t, timed, sig)
             used[:, self.index(c)] += took
             if c is not None:
-                acc += self.observe_acceptance((hist2 - hist)[:n, 1:], greedy, c.num_steps)
+                acc += self.observe_acceptance((hist2 - hist)[:n, 1:], greedy, c.depth)
             vct, hist = vct2, hist2
         return state, used

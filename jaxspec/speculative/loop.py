@@ -1,6 +1,7 @@
 """The speculative round and the `lax.while_loop` that runs rounds until every slot finishes.
 
-One round (all static shapes; B slots, N tree nodes, D = num_steps):
+One round (all static shapes; B slots, N tree nodes, D = spec.depth: num_steps, or deeper
+text-match candidates merged into the tree, proposers/suffix.py):
   draft   proposer steps grow a tree from the root distribution (tree.grow + tree.rerank)
   verify  the target runs over the N tree tokens with the ancestor mask; verify.verify accepts
   commit  the accepted path's target KV moves to contiguous columns; lengths += accepted + 1
@@ -32,6 +33,7 @@ from jaxspec.logprobs import TokenLogprobs, compute
 from jaxspec.sampling import GREEDY_EPS, SamplingTensors, argmax, draw_keyed, sample
 from jaxspec.speculative import tree as tree_lib
 from jaxspec.speculative.proposers.base import DraftState, Proposer
+from jaxspec.speculative.proposers.suffix import TextMatchProposer, merge_trees
 from jaxspec.speculative.short_axis import any_of, first_true
 from jaxspec.speculative.verify import Accepted, greedy_verify, verify
 from jaxspec.weights import Models
@@ -181,7 +183,11 @@ def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState,
         draw,
     )
     q_ids = ids if draw is not None else None
-    return tree_lib.rerank(state.last, cand, spec.num_draft_tokens, spec.num_steps, q_ids), d["state"]
+    tree = tree_lib.rerank(state.last, cand, spec.num_draft_tokens, spec.num_steps, q_ids)
+    if spec.suffix is not None:  # text-match candidates in the same tree (proposers/suffix.py)
+        assert isinstance(prop, TextMatchProposer)
+        tree = merge_trees(tree, prop.text_tree(dparams, d["state"], state.last, spec), spec.depth)
+    return tree, d["state"]
 
 
 def draws_drafts(prop: Proposer, spec: SpecConfig, sampled: bool | str) -> bool:
@@ -230,7 +236,7 @@ def spec_round(
     sampled (static): False when every slot is greedy (no sampler in the program). Every slot runs
     the same program; its only data-dependent branches are the sampler's skips of work no slot
     needs, on CPU only (jaxspec/sampling.py SKIP_UNUSED): GPU rounds are straight-line."""
-    steps = spec.num_steps
+    steps = spec.depth
     tree, dstate = draft_tree(prop, dparams, tgt, spec, state, st, sampled)
     cache = state.cache
     pos = cache.lengths[:, None] + tree.depth
@@ -306,7 +312,7 @@ def start_state(
     top_logprobs: int | None = None,
 ) -> SpecState:
     """The first token from the prefill's last hidden state [B, H] and the draft's extension over
-    it: the state `spec_block` runs rounds on (out [B, buf]; hist sized for spec.num_steps).
+    it: the state `spec_block` runs rounds on (out [B, buf]; hist sized for spec.depth).
     top_logprobs (static): None, or record each token's logprob with this many alternatives."""
     tgt, prop, dparams = models.target(), models.draft, models.dparams
     b = last_h.shape[0]
@@ -335,7 +341,7 @@ def start_state(
         cache=cache,
         draft=dstate,
         verify_ct=jnp.zeros((b,), jnp.int32),
-        hist=jnp.zeros((b, spec.num_steps + 2), jnp.int32),
+        hist=jnp.zeros((b, spec.depth + 2), jnp.int32),
         lps=None if top_logprobs is None else TokenLogprobs.zeros((b, buf), top_logprobs),
     )
     state = emit(state, first[:, None], jnp.ones((b,), jnp.int32), max_new_tokens, stop_ids, first_logits[:, None], st)

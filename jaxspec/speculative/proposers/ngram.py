@@ -169,30 +169,43 @@ class NgramProposer(Proposer):
         return NgramHistory(jnp.full((batch, max_len), SEP, jnp.int32), jnp.zeros((batch,), jnp.int32))
 
     def prefill_chunk(self, dparams, tgt, cache, tokens, feats, start, commit_lens):
-        b, c = tokens.shape
-        col = start + jnp.arange(c)[None, :]
-        keep = col < commit_lens[:, None]
-        buf = jax.lax.dynamic_update_slice(cache.tokens, jnp.where(keep, tokens, SEP), (0, start))
-        return NgramHistory(buf, jnp.clip(commit_lens, 0, start + c).astype(jnp.int32))
+        return history_prefill(cache, tokens, start, commit_lens)
 
     def extend(self, dparams, tgt, state, tokens, feats, n_block, active):
-        h = state.cache
-        b, t = tokens.shape
-        i = jnp.arange(t)[None, :]
-        # columns out of range are dropped
-        cols = jnp.where((i < n_block[:, None]) & active[:, None], h.lengths[:, None] + i, h.max_len)
-        buf = h.tokens.at[jnp.arange(b)[:, None], cols].set(tokens, mode="drop")
-        lengths = jnp.minimum(h.lengths + jnp.where(active, n_block, 0), h.max_len)
-        return dataclasses.replace(state, cache=NgramHistory(buf, lengths.astype(jnp.int32)))
+        return dataclasses.replace(state, cache=history_extend(state.cache, tokens, n_block, active))
 
     def propose_tree(self, dparams, state: DraftState, last, spec) -> Tree:
-        h = state.cache
-        corpus = dparams["corpus"]  # [C]
-        b = h.tokens.shape[0]
-        seq = jnp.concatenate(
-            [jnp.broadcast_to(corpus[None, :], (b, corpus.shape[0])), jnp.full((b, 1), SEP, jnp.int32), h.tokens], 1
-        )
-        return ngram_tree(seq, h.lengths + corpus.shape[0] + 1, last, self.ngram, spec.num_draft_tokens)
+        return history_tree(dparams["corpus"], state.cache, last, self.ngram, spec.num_draft_tokens)
+
+
+def history_prefill(h: NgramHistory, tokens, start, commit_lens) -> NgramHistory:
+    """A prompt chunk tokens [B, C] written at columns start + c; afterwards lengths = commit_lens
+    (at most start + C)."""
+    b, c = tokens.shape
+    col = start + jnp.arange(c)[None, :]
+    keep = col < commit_lens[:, None]
+    buf = jax.lax.dynamic_update_slice(h.tokens, jnp.where(keep, tokens, SEP), (0, start))
+    return NgramHistory(buf, jnp.clip(commit_lens, 0, start + c).astype(jnp.int32))
+
+
+def history_extend(h: NgramHistory, tokens, n_block, active) -> NgramHistory:
+    """Appends tokens[:, :n_block] [B, T] to the active slots' text."""
+    b, t = tokens.shape
+    i = jnp.arange(t)[None, :]
+    # columns out of range are dropped
+    cols = jnp.where((i < n_block[:, None]) & active[:, None], h.lengths[:, None] + i, h.max_len)
+    buf = h.tokens.at[jnp.arange(b)[:, None], cols].set(tokens, mode="drop")
+    lengths = jnp.minimum(h.lengths + jnp.where(active, n_block, 0), h.max_len)
+    return NgramHistory(buf, lengths.astype(jnp.int32))
+
+
+def history_tree(corpus, h: NgramHistory, last, cfg, n: int) -> Tree:
+    """The tree of n nodes that matches of the slots' text (x_L last) in [corpus [C], SEP, text] propose."""
+    b = h.tokens.shape[0]
+    seq = jnp.concatenate(
+        [jnp.broadcast_to(corpus[None, :], (b, corpus.shape[0])), jnp.full((b, 1), SEP, jnp.int32), h.tokens], 1
+    )
+    return ngram_tree(seq, h.lengths + corpus.shape[0] + 1, last, cfg, n)
 
 
 class Corpus:
