@@ -34,8 +34,9 @@ import time
 
 from common import machine, mtbench_first_turns
 
-from jaxspec.args import ModelArgs, add_arguments
+from jaxspec.args import ModelArgs
 from jaxspec.bench import mtbench_categories, warmup_set
+from jaxspec.cli_flags import add_arguments
 
 DRAFT_QUANT = ("unquant", "int8", "fp8", "w8a8_int8")  # --draft modes: one engine's draft quantization
 

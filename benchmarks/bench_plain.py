@@ -21,7 +21,8 @@ import time
 import numpy as np
 from common import copy_bandwidth, jax_read_bandwidth, machine, mtbench_first_turns, synthetic_layers_ms
 
-from jaxspec.args import ModelArgs, add_arguments
+from jaxspec.args import ModelArgs
+from jaxspec.cli_flags import add_arguments
 
 
 def main():

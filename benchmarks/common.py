@@ -9,8 +9,9 @@ import time
 
 import numpy as np
 
-from jaxspec.args import ModelArgs, add_arguments
+from jaxspec.args import ModelArgs
 from jaxspec.bench import mtbench_first_turns  # noqa: F401 (re-exported for the benchmark scripts)
+from jaxspec.cli_flags import add_arguments
 
 # The benchmarks' context length (all but bench_startup, which measures the default server): short,
 # so that the servers and engines a benchmark starts side by side fit in memory together.

@@ -14,7 +14,8 @@ import json
 import os
 import time
 
-from jaxspec.args import EngineArgs, flag, from_namespace
+from jaxspec.args import EngineArgs, flag
+from jaxspec.cli_flags import from_namespace
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.loader import load_target

@@ -10,19 +10,9 @@ import json
 import os
 import sys
 
-from jaxspec.args import (
-    ConvertArgs,
-    EngineArgs,
-    ModelArgs,
-    MultiHostArgs,
-    ServerArgs,
-    SpeculativeArgs,
-    add_arguments,
-    add_sampling_arguments,
-    from_namespace,
-    sampling_from_namespace,
-)
+from jaxspec.args import ConvertArgs, EngineArgs, ModelArgs, MultiHostArgs, ServerArgs, SpeculativeArgs
 from jaxspec.bench import BenchArgs, run_sweep
+from jaxspec.cli_flags import add_arguments, add_sampling_arguments, from_namespace, sampling_from_namespace
 from jaxspec.convert.checkpoint import convert
 from jaxspec.default_mode import target_mode
 from jaxspec.engine import Engine

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from jaxspec.args import GROUPS, ModelArgs, MultiHostArgs, ServerArgs, SpeculativeArgs, _scalar_type, option
+from jaxspec.args import GROUPS, ModelArgs, MultiHostArgs, ServerArgs, SpeculativeArgs
+from jaxspec.cli_flags import _scalar_type, option
 
 # which commands take which group (the flag table in docs/flags.md and the --help test read this)
 COMMANDS: dict[type, tuple[str, ...]] = {

@@ -10,7 +10,8 @@ import time
 
 import jax
 
-from jaxspec.args import EngineArgs, MultiHostArgs, ServerArgs, compatibility_notes, from_namespace
+from jaxspec.args import EngineArgs, MultiHostArgs, ServerArgs, compatibility_notes
+from jaxspec.cli_flags import from_namespace
 from jaxspec.default_mode import target_mode
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError

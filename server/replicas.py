@@ -27,7 +27,8 @@ import subprocess
 import sys
 import time
 
-from jaxspec.args import EngineArgs, ServerArgs, to_argv
+from jaxspec.args import EngineArgs, ServerArgs
+from jaxspec.cli_flags import to_argv
 from jaxspec.errors import JaxspecError
 
 logger = logging.getLogger("jaxspec.server")

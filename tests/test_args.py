@@ -9,15 +9,9 @@ import re
 
 import pytest
 
-from jaxspec.args import (
-    EngineArgs,
-    ModelArgs,
-    ServerArgs,
-    SpeculativeArgs,
-    build,
-    option,
-)
+from jaxspec.args import EngineArgs, ModelArgs, ServerArgs, SpeculativeArgs, build
 from jaxspec.cli import build_parser
+from jaxspec.cli_flags import option
 from jaxspec.errors import JaxspecError
 from jaxspec.flag_docs import COMMANDS, flag_table
 
@@ -129,7 +123,7 @@ def test_parsed_flags_reach_the_dataclasses():
             "--disable-overlap-schedule",
         ]
     )
-    from jaxspec.args import from_namespace
+    from jaxspec.cli_flags import from_namespace
 
     e = from_namespace(EngineArgs, args)
     s = from_namespace(ServerArgs, args)

@@ -21,8 +21,9 @@ import time
 
 import pytest
 
-from jaxspec.args import EngineArgs, ServerArgs, from_namespace, to_argv
+from jaxspec.args import EngineArgs, ServerArgs
 from jaxspec.cli import build_parser, main
+from jaxspec.cli_flags import from_namespace, to_argv
 from jaxspec.server import replicas
 
 from helpers import free_port, model_dirs, serve_subprocess  # noqa: F401  (fixture)

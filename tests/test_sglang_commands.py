@@ -10,8 +10,9 @@ import shlex
 
 import pytest
 
-from jaxspec.args import EngineArgs, ServerArgs, from_namespace
+from jaxspec.args import EngineArgs, ServerArgs
 from jaxspec.cli import build_parser
+from jaxspec.cli_flags import from_namespace
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxspec.args import DTYPES, ModelArgs, add_arguments, flag, from_namespace
+from jaxspec.args import DTYPES, ModelArgs, flag
+from jaxspec.cli_flags import add_arguments, from_namespace
 from jaxspec.convert.sources import open_source
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
