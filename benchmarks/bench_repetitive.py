@@ -19,8 +19,8 @@ Configurations (CONFIGS: a name -> Engine keyword arguments; --configs picks the
 NGRAM with SGLang's default flags (its shared n-gram corpus reset per workload, after the warm-up
 too, so that it holds only the timed requests), EAGLE3 with the head shipped for the default model
 (float32 SmolLM2-135M-Instruct; adaptive speculation at its default, on), and hybrid: EAGLE3 with
-10 text-match candidates merged into its tree (--speculative-suffix-draft-tokens 10; its shared
-text reset as NGRAM's). For each workload every
+4 text-match candidates merged into its tree (--speculative-suffix-draft-tokens 4, the shipped tree
+shape, adaptive speculation at its default there, off; its shared text reset as NGRAM's). For each workload every
 shape is warmed up first (and adaptive speculation's background compiles of its other tree shapes
 waited for), then the configurations take turns prompt by prompt, so that machine noise hits them
 alike. Printed per workload and configuration: accept length (tokens per speculative round, bonus
@@ -50,7 +50,7 @@ CONFIGS: dict[str, dict] = {
     "ngram": dict(speculative_algorithm="NGRAM"),
     "eagle3": dict(speculative_algorithm="EAGLE3"),
     # the shipped EAGLE-3 head's tree and text-match candidates verified together
-    "hybrid": dict(speculative_algorithm="EAGLE3", speculative_suffix_draft_tokens=10),
+    "hybrid": dict(speculative_algorithm="EAGLE3", speculative_suffix_draft_tokens=4),
 }
 CORPUS_RESERVE = 16384  # NGRAM: the least device size of the shared corpus (bench_ngram.py's)
 WORKLOAD_NAMES = {"a": "code", "b": "quote", "c": "agent", "d": "refine", "e": "mtbench"}

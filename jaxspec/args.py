@@ -211,7 +211,8 @@ class SpeculativeArgs:
         None,
         "choose per block of rounds (server: per dispatch) among the tree shape, a shallower one and no "
         "speculation, from measured round cost and acceptance (unset: on for the shipped drafts at their shipped "
-        "tree shape, off when --speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens are given)",
+        "tree shape, off when --speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens "
+        "or --speculative-suffix-draft-tokens are given)",
     )
     speculative_online_train: bool = flag(
         False,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import uuid
 import weakref
 from typing import Any
 
@@ -45,15 +44,11 @@ from jaxspec.requests import (
     TokenLogprobRows,
     bucket,
     check_prompt,
-    cut_at_stop_string,
     draft_prompt,
-    finish_reason,
     input_logprobs,
     logprob_rows,
-    make_result,
-    output_logprobs,
+    offline_result,
     stop_token_ids,
-    with_token_text,
 )
 from jaxspec.sampling import GREEDY_EPS, SamplingParams, SamplingTensors, nth_sample, sampling_kind, split_n
 from jaxspec.sharding import check_heads, kv_sharding, make_mesh, replicate
@@ -474,7 +469,8 @@ class Engine:
         if spec_on:  # finished requests feed the shared n-gram text
             self.feed_ngram_corpus([list(x) + list(map(int, out[i, : num_out[i]])) for i, x in enumerate(ids)])
         results = [
-            self._result(
+            offline_result(
+                self.tokenizer,
                 list(map(int, out[i, : num_out[i]])),
                 int(finish[i]),
                 lens[i],
@@ -577,50 +573,6 @@ class Engine:
 
         greedy = np.asarray(st.temperature[:n]) <= GREEDY_EPS
         return adaptive.run(block, state, greedy, sig, program)
-
-    def _result(
-        self,
-        out_ids,
-        finish,
-        prompt_len,
-        p: SamplingParams,
-        latency,
-        verify_ct,
-        hist,
-        used=None,
-        lps=None,
-        prompt_lps=None,
-        lp: LogprobArgs | None = None,
-    ) -> dict[str, Any]:
-        reason = finish_reason(finish, out_ids)
-        if reason is None:  # pragma: no cover - the loop only exits when every slot finished
-            raise RuntimeError("decode loop returned an unfinished request")
-        text = None
-        if self.tokenizer is not None:
-            decode_ids = lambda x: self.tokenizer.decode(x, skip_special_tokens=p.skip_special_tokens)
-            text = decode_ids(out_ids)
-            cut = cut_at_stop_string(text, out_ids, p.stop_strings, decode_ids)
-            if cut is not None:  # multi-token stop strings are applied after generation
-                text, out_ids, reason = cut
-        extra = {}
-        if used is not None:  # rounds run with each candidate shape
-            extra["spec_shapes"] = used
-        if lp is not None:
-            extra.update(prompt_lps or {})
-            extra.update(output_logprobs(out_ids, lps))  # a stop-string cut leaves fewer out_ids
-            if lp.return_text_in_logprobs:
-                with_token_text(extra, lambda t: self._need_tokenizer().decode([t]))
-        return make_result(
-            uuid.uuid4().hex,
-            text,
-            out_ids,
-            prompt_len,
-            reason,
-            latency,
-            verify_ct,
-            None if hist is None else hist[1:],
-            **extra,
-        )
 
 
 _ENGINES: dict = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -211,3 +212,44 @@ class LogprobArgs:
         if not isinstance(start, int) or start < -1:
             raise JaxspecError(f"logprob_start_len must be -1 (output tokens only) or >= 0, got {start!r}")
         return cls(top, start, text) if ret else None  # as SGLang: the others mean nothing without it
+
+
+def offline_result(
+    tokenizer: Any,
+    out_ids: list[int],
+    finish: int,
+    prompt_len: int,
+    p: SamplingParams,
+    latency: float,
+    verify_ct: int,
+    hist,
+    used=None,
+    lps: TokenLogprobRows | None = None,
+    prompt_lps: dict[str, Any] | None = None,
+    lp: LogprobArgs | None = None,
+) -> dict[str, Any]:
+    """The offline engine's result of one request: its text (tokenizer None: none), stop strings
+    applied, logprobs (lp, lps [its output rows], prompt_lps) and speculation metrics (hist [D + 2]
+    rounds per tokens emitted, used: rounds per adaptive shape)."""
+    reason = finish_reason(finish, out_ids)
+    if reason is None:  # pragma: no cover - the loop only exits when every slot finished
+        raise RuntimeError("decode loop returned an unfinished request")
+    text = None
+    if tokenizer is not None:
+        decode_ids = lambda x: tokenizer.decode(x, skip_special_tokens=p.skip_special_tokens)
+        text = decode_ids(out_ids)
+        cut = cut_at_stop_string(text, out_ids, p.stop_strings, decode_ids)
+        if cut is not None:  # multi-token stop strings are applied after generation
+            text, out_ids, reason = cut
+    extra: dict[str, Any] = {}
+    if used is not None:  # rounds run with each candidate shape
+        extra["spec_shapes"] = used
+    if lp is not None:
+        extra.update(prompt_lps or {})
+        extra.update(output_logprobs(out_ids, lps))  # a stop-string cut leaves fewer out_ids
+        if lp.return_text_in_logprobs:
+            if tokenizer is None:
+                raise JaxspecError("return_text_in_logprobs needs a tokenizer")
+            with_token_text(extra, lambda t: tokenizer.decode([t]))
+    hist = None if hist is None else hist[1:]
+    return make_result(uuid.uuid4().hex, text, out_ids, prompt_len, reason, latency, verify_ct, hist, **extra)

@@ -192,7 +192,7 @@ class Dispatch(SchedulerState):
             return
         block = np.stack([hist[s][1:] - (np.asarray(r.hist) if r.hist is not None else 0) for s, r in reqs])
         greedy = np.array([not any_sampled([r.params]) for _, r in reqs], bool)
-        acc = self.adaptive.observe_acceptance(block, greedy, item.spec.depth)
+        acc = self.adaptive.observe_acceptance(block, greedy, item.spec.depth, item.spec)
         for (_, r), x in zip(reqs, acc):
             r.acc = x if r.acc is None else r.acc + x
 

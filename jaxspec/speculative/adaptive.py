@@ -108,8 +108,16 @@ def _finish_compiles() -> None:
 
 
 def shape_label(spec: SpecConfig | None) -> str:
-    """'num_steps/topk/num_draft_tokens', or 'off' (no speculation)."""
-    return OFF if spec is None else f"{spec.num_steps}/{spec.eagle_topk}/{spec.num_draft_tokens}"
+    """'num_steps/topk/num_draft_tokens' (+ '+M' with M text-match candidates), or 'off' (no speculation)."""
+    if spec is None:
+        return OFF
+    text = f"+{spec.suffix_nodes}" if spec.suffix is not None else ""
+    return f"{spec.num_steps}/{spec.eagle_topk}/{spec.num_draft_tokens}{text}"
+
+
+def without_text(spec: SpecConfig) -> SpecConfig:
+    """The draft model's tree alone, without text-match candidates."""
+    return dataclasses.replace(spec, suffix=None, suffix_nodes=0)
 
 
 def shallower(spec: SpecConfig) -> SpecConfig | None:
@@ -156,26 +164,44 @@ class Adaptive:
 
     @functools.cached_property
     def candidates(self) -> list[SpecConfig | None]:
-        """The configured shape first, no speculation last."""
-        half = shallower(self.spec)
-        return [self.spec] + ([half] if half is not None else []) + [None]
+        """The configured shape first, no speculation last. With text-match candidates, the draft's
+        tree alone too (and the shallower shape without them): where the text does not repeat,
+        their rows in the target forward cost more than they return."""
+        if self.spec.suffix is None:
+            half = shallower(self.spec)
+            return [self.spec] + ([half] if half is not None else []) + [None]
+        alone = without_text(self.spec)
+        half = shallower(alone)
+        return [self.spec, alone] + ([half] if half is not None else []) + [None]
 
     def index(self, spec: SpecConfig | None) -> int:
         return [shape_label(c) for c in self.candidates].index(shape_label(spec))
 
+    def _pool(self, spec: SpecConfig | None) -> slice:
+        """Where a shape's acceptance is kept in the per-depth arrays: rounds with text-match
+        candidates apart from rounds without (they accept far deeper where the text repeats)."""
+        d = self.spec.depth
+        return slice(d, 2 * d) if spec is not None and spec.suffix is not None else slice(0, d)
+
+    @property
+    def width(self) -> int:
+        """Columns of the acceptance arrays: D per pool (one, or two with text-match candidates)."""
+        return self.spec.depth * (2 if self.spec.suffix is not None else 1)
+
     def empty(self, n: int = 0) -> np.ndarray:
-        """Acceptance counts [n, 2, D] of requests that have run no round."""
-        return np.zeros((n, 2, self.spec.depth))
+        """Acceptance counts [n, 2, width] of requests that have run no round."""
+        return np.zeros((n, 2, self.width))
 
     def expected_tokens(self, acc: np.ndarray, greedy: np.ndarray, spec: SpecConfig | None = None) -> np.ndarray:
-        """acc [R, 2, D] per-request acceptance counts, greedy [R] bool -> E[tokens per round] [R]
-        of the tree shape `spec` (default: the configured one)."""
+        """acc [R, 2, width] per-request acceptance counts, greedy [R] bool -> E[tokens per round] [R]
+        of the tree shape `spec` (default: the configured one), from its pool."""
         spec = self.spec if spec is None else spec
-        start = np.stack([np.ones(self.spec.depth), np.full(self.spec.depth, 0.5)])  # none seen yet
-        prior = np.stack([self.prior.get(bool(g), start) for g in greedy])  # [R, 2, D]
+        pool = self._pool(spec)
+        start = np.stack([np.ones(self.width), np.full(self.width, 0.5)])  # none seen yet
+        prior = np.stack([self.prior.get(bool(g), start) for g in greedy])[:, :, pool]  # [R, 2, D]
         cond0 = np.where(prior[:, 0] > 0, prior[:, 1] / np.maximum(prior[:, 0], 1e-9), 0.5)
         w = self.prior_rounds
-        cond = (acc[:, 1] + w * cond0) / (acc[:, 0] + w)
+        cond = (acc[:, 1, pool] + w * cond0) / (acc[:, 0, pool] + w)
         return 1.0 + np.cumprod(cond, -1)[:, : spec.depth].sum(-1)
 
     def choose(
@@ -285,17 +311,24 @@ class Adaptive:
         hi = int(np.searchsorted(cum, half * (1 + 1e-9), side="right"))  # the first past it (a tie: both)
         return float((x[lo] + x[min(hi, len(x) - 1)]) / 2)
 
-    def observe_acceptance(self, block_hist: np.ndarray, greedy: np.ndarray, depth: int) -> np.ndarray:
-        """block_hist [R, D + 1]: rounds of a block of a shape accepting at most `depth` drafts that accepted
-        0 .. D drafts, per request; greedy [R]. Adds them to the prior of each kind; returns their
-        acceptance counts [R, 2, D]."""
+    def observe_acceptance(
+        self, block_hist: np.ndarray, greedy: np.ndarray, depth: int, spec: SpecConfig | None = None
+    ) -> np.ndarray:
+        """block_hist [R, D + 1]: rounds of a block of a shape accepting at most `depth` drafts that
+        accepted 0 .. D drafts, per request; greedy [R]; spec: the shape (its pool; default: the one
+        without text matches). Adds them to the prior of each kind; returns their acceptance counts
+        [R, 2, width]."""
         surv = np.cumsum(block_hist[:, ::-1], axis=1)[:, ::-1].astype(np.float64)  # rounds that accepted >= j
         reached = np.arange(1, self.spec.depth + 1) <= depth
-        acc = np.stack([surv[:, :-1] * reached, surv[:, 1:] * reached], 1)
+        pool = self._pool(spec)
+        acc = np.zeros((len(block_hist), 2, self.width))
+        acc[:, :, pool] = np.stack([surv[:, :-1] * reached, surv[:, 1:] * reached], 1)
         for g in (False, True):
             total = acc[greedy == g].sum(0)
-            if total[0, 0] > 0:
-                self.prior[g] = total + PRIOR_DECAY * self.prior.get(g, np.zeros_like(total))
+            if total[0, pool][0] > 0:
+                prior = self.prior.get(g, np.zeros_like(total))
+                prior[:, pool] = total[:, pool] + PRIOR_DECAY * prior[:, pool]
+                self.prior[g] = prior
         return acc
 
     def _compile_ahead(self, precompile: Callable[[SpecConfig | None], Any], signature: tuple) -> None:
@@ -413,6 +446,6 @@ class Adaptive:
             self.observe_cost(c, batch, time.perf_counter() - t, timed, sig)
             used[:, self.index(c)] += took
             if c is not None:
-                acc += self.observe_acceptance((hist2 - hist)[:n, 1:], greedy, c.depth)
+                acc += self.observe_acceptance((hist2 - hist)[:n, 1:], greedy, c.depth, c)
             vct, hist = vct2, hist2
         return state, used
