@@ -245,6 +245,7 @@ def offline_result(
     if used is not None:  # rounds run with each candidate shape
         extra["spec_shapes"] = used
     if lp is not None:
+        assert lps is not None  # (the program recorded them: lp was given)
         extra.update(prompt_lps or {})
         extra.update(output_logprobs(out_ids, lps))  # a stop-string cut leaves fewer out_ids
         if lp.return_text_in_logprobs:
