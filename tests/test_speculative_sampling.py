@@ -114,6 +114,7 @@ CONFIGS = {
         0.4,
     ),
 }
+SLOW = ("eagle3-suffix",)  # configurations only `make test-all` runs (the suite's time budget)
 # the mixed batch's engine (with context_length=CTX): the target drafting for itself in a topk-4 tree
 MIXED_ENGINE = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path="<target>", **_tree(3, 4, 8))
 # accepts a child when u <= acc / 0.8: a draft is taken up to 25% more often than the target allows
@@ -307,7 +308,7 @@ def test_reference_filters_restrict_the_support(models):
 
 
 @pytest.mark.parametrize("fname", list(FILTERS))
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CONFIGS])
 def test_sampling_matches_target_distribution(models, name, fname):
     """(t0, t1) and (t1, t2) follow the exact filtered target distribution, and drafts were accepted."""
     triples, results = run(models, name)[fname]

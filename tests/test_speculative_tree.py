@@ -235,7 +235,7 @@ def test_sampled_draft_accept_matches_python(ts, ta):
         np.testing.assert_allclose(bonus_distribution(resid, p_last), presid, atol=1e-5)
 
 
-@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=pytest.mark.slow)])
 def test_sampled_drafts_follow_the_target(platform):
     """Drafts drawn by draw_drafts and verified by sample_verify: the first two emitted tokens follow
     the target's distribution (temperature 0.7, a draft unlike the target), and acceptance is the

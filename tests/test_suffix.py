@@ -73,7 +73,11 @@ def test_validation_and_resolution():
 
 @pytest.mark.parametrize(
     ("algo", "draft", "knobs"),
-    [("EAGLE3", "eagle3", (3, 4, 8)), ("EAGLE3", "eagle3", (2, 1, 3)), ("STANDALONE", "small", (3, 2, 5))],
+    [
+        ("EAGLE3", "eagle3", (3, 4, 8)),
+        pytest.param("EAGLE3", "eagle3", (2, 1, 3), marks=pytest.mark.slow),
+        pytest.param("STANDALONE", "small", (3, 2, 5), marks=pytest.mark.slow),
+    ],
 )
 def test_greedy_identical_to_plain(models, plain, algo, draft, knobs):  # noqa: F811
     eng = engine(models, algo, draft, knobs, **SUFFIX)
@@ -107,6 +111,7 @@ def serve(eng, prompts, params, cache):
     return [res[i] for i in range(len(prompts))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", [False, True])
 def test_served_greedy_identical_to_plain(models, cache):  # noqa: F811
     """Through the server's continuous batching (prefix cache off and on: a slot's text is copied
