@@ -578,3 +578,46 @@ def ngram_config(**short):
     from jaxspec.config import NgramConfig
 
     return NgramConfig.from_args(SpeculativeArgs(**{"speculative_ngram_" + k: v for k, v in short.items()}))
+
+
+def hf_logits(model, ids):
+    """HF transformers' logits [B, T, V] of `ids` [B, T] (torch, no gradients)."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.numpy()
+
+
+def jax_logits(model, ids, chunk=None):
+    """Full-sequence logits [B, T, V], optionally through chunked prefill of the KV cache."""
+    import jax.numpy as jnp
+
+    from jaxspec.cache import KVCache
+
+    ids = jnp.asarray(ids, jnp.int32)
+    b, t = ids.shape
+    chunk = chunk or t
+    cache = KVCache.create(model.cfg, b, 64, jnp.float32)
+    outs = []
+    for s in range(0, t, chunk):
+        tok = ids[:, s : s + chunk]
+        pos = jnp.broadcast_to(jnp.arange(s, s + tok.shape[1]), tok.shape)
+        h, cache, _ = model(tok, pos, cache)
+        cache.lengths = cache.lengths + tok.shape[1]
+        outs.append(model.logits(h))
+    return np.asarray(jnp.concatenate(outs, axis=1))
+
+
+def load_float32(path):
+    """The target model at `path` (HF directory or GGUF) in float32, without its tokenizer."""
+    from jaxspec.loader import load
+
+    return load(path, "float32", progress=False, with_tokenizer=False)
+
+
+def path_engine(path, **kw):
+    """A plain (unless kw says otherwise) Engine over the model at `path`, 4-token prefill chunks."""
+    from jaxspec.engine import Engine
+
+    kw.setdefault("speculative_algorithm", "NONE")
+    return Engine(path, skip_tokenizer_init=True, show_progress=False, chunked_prefill_size=4, **kw)

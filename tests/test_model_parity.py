@@ -9,7 +9,7 @@ import torch
 
 from jaxspec.cache import KVCache
 
-from helpers import FAMILIES
+from helpers import FAMILIES, hf_logits, jax_logits
 
 
 def load_dir(path, dtype="float32"):
@@ -24,27 +24,6 @@ def load_dir(path, dtype="float32"):
 
 
 TOL = 1e-4
-
-
-def hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor(ids)).logits.numpy()
-
-
-def jax_logits(model, ids, chunk=None):
-    """Full-sequence logits [B, T, V], optionally through chunked prefill of the KV cache."""
-    ids = jnp.asarray(ids, jnp.int32)
-    b, t = ids.shape
-    chunk = chunk or t
-    cache = KVCache.create(model.cfg, b, 64, jnp.float32)
-    outs = []
-    for s in range(0, t, chunk):
-        tok = ids[:, s : s + chunk]
-        pos = jnp.broadcast_to(jnp.arange(s, s + tok.shape[1]), tok.shape)
-        h, cache, _ = model(tok, pos, cache)
-        cache.lengths = cache.lengths + tok.shape[1]
-        outs.append(model.logits(h))
-    return np.asarray(jnp.concatenate(outs, axis=1))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -18,7 +18,7 @@ from jaxspec import native
 from jaxspec.cache import KVCache
 from jaxspec.errors import JaxspecError
 
-from helpers import GGUF_PARTS, make_hf_model, write_gguf
+from helpers import GGUF_PARTS, hf_logits, jax_logits, load_float32, make_hf_model, path_engine, write_gguf
 
 V = 256
 TOL = 1e-4
@@ -44,12 +44,6 @@ def dirs(tmp_path_factory):
     }
 
 
-def load(path):
-    from jaxspec.loader import load as load_model
-
-    return load_model(path, "float32", progress=False, with_tokenizer=False)
-
-
 def load_gguf(path):
     """The model of a GGUF file with its block-quantized tensors kept as blocks (--quantization gguf)."""
     from jaxspec.config import ModelConfig
@@ -58,31 +52,6 @@ def load_gguf(path):
 
     src = open_source(path)
     return load_gguf_blocks(ModelConfig.from_hf(src.config), src, progress=False)
-
-
-def logits(model, ids, chunk=None):
-    """Logits [B, T, V] of `ids` [B, T], by chunks of the KV cache (None: one)."""
-    ids = jnp.asarray(ids, jnp.int32)
-    b, t = ids.shape
-    cache, outs = KVCache.create(model.cfg, b, 32, jnp.float32), []
-    for s in range(0, t, chunk or t):
-        tok = ids[:, s : s + (chunk or t)]
-        h, cache, _ = model(tok, jnp.broadcast_to(jnp.arange(s, s + tok.shape[1]), tok.shape), cache)
-        cache.lengths = cache.lengths + tok.shape[1]
-        outs.append(model.logits(h))
-    return np.asarray(jnp.concatenate(outs, axis=1))
-
-
-def hf_logits(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor(ids)).logits.numpy()
-
-
-def engine(path, **kw):
-    from jaxspec.engine import Engine
-
-    kw.setdefault("speculative_algorithm", "NONE")
-    return Engine(path, skip_tokenizer_init=True, show_progress=False, chunked_prefill_size=4, **kw)
 
 
 def outputs(eng):
@@ -115,23 +84,23 @@ def test_logits_match_hf(dirs, name):
     """float32 logits within 1e-4 of HF's, in one pass and by chunks of the KV cache; from the HF
     directory and from the GGUF file (its q/k norms read from attn_q_norm / attn_k_norm)."""
     path, hf = dirs[name]
-    loaded = load(path)
+    loaded = load_float32(path)
     assert loaded.source_kind == ("gguf" if name == "gguf" else "hf") and loaded.cfg.head_dim == 32
     assert (loaded.model.lm_head is None) == (name != "untied")
     ids = np.random.default_rng(1).integers(0, V, size=(2, 12))
     ref = hf_logits(hf, ids)
-    np.testing.assert_allclose(logits(loaded.model, ids), ref, atol=TOL, rtol=0)
-    np.testing.assert_allclose(logits(loaded.model, ids, chunk=5), ref, atol=TOL, rtol=0)
+    np.testing.assert_allclose(jax_logits(loaded.model, ids), ref, atol=TOL, rtol=0)
+    np.testing.assert_allclose(jax_logits(loaded.model, ids, chunk=5), ref, atol=TOL, rtol=0)
 
 
 def test_qk_norms_are_exercised(dirs):
     """Guards the parity test: without the per-head norms the logits differ."""
-    model = load(dirs["tied"][0]).model
+    model = load_float32(dirs["tied"][0]).model
     ids = np.random.default_rng(2).integers(0, V, size=(1, 8))
-    ref = logits(model, ids)
+    ref = jax_logits(model, ids)
     for layer in model.layers:
         layer.self_attn.q_norm = layer.self_attn.k_norm = None
-    assert np.abs(logits(model, ids) - ref).max() > 1e-2
+    assert np.abs(jax_logits(model, ids) - ref).max() > 1e-2
 
 
 @pytest.mark.parametrize("name", ["tied", "untied"])
@@ -141,7 +110,7 @@ def test_greedy_matches_hf_generate(dirs, name):
     from transformers import GenerationConfig
 
     path, hf = dirs[name]
-    eng = engine(path)
+    eng = path_engine(path)
     attn = eng.params["layers"][0]["self_attn"]
     assert attn["q_norm"]["weight"][...].shape == (32,) and attn["k_norm"]["weight"][...].shape == (32,)
     gc = GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -168,10 +137,10 @@ def test_speculation_is_token_identical_to_plain(dirs, spec):
     """The model as its own STANDALONE draft (on the CPU in w8a8_int8 by default: its q/k norms stay
     float), and NGRAM, decode plain greedy decoding's tokens, and drafts get accepted."""
     path = dirs["tied"][0]
-    plain = outputs(engine(path))
+    plain = outputs(path_engine(path))
     if spec["speculative_algorithm"] == "STANDALONE":
         spec = dict(spec, speculative_draft_model_path=path)
-    eng = engine(path, **spec)
+    eng = path_engine(path, **spec)
     if "draft" in eng.dparams:  # STANDALONE: int8 kernels (with the native kernel), float norms
         attn = eng.dparams["draft"]["layers"][0]["self_attn"]
         assert attn["k_norm"]["weight"][...].dtype == jnp.float32
@@ -191,8 +160,8 @@ def test_gguf_blocks_keep_the_norms_float(dirs):
     attn = blocks.layers[0].self_attn
     assert attn.q_proj.gguf == "Q8_0x8" and attn.q_norm.weight[...].dtype == jnp.float32
     ids = np.random.default_rng(3).integers(0, V, size=(1, 8))
-    ref = logits(load(path).model, ids)
-    np.testing.assert_allclose(logits(blocks, ids), ref, atol=0.05 * np.abs(ref).max(), rtol=0)
+    ref = jax_logits(load_float32(path).model, ids)
+    np.testing.assert_allclose(jax_logits(blocks, ids), ref, atol=0.05 * np.abs(ref).max(), rtol=0)
 
 
 def test_fused_gpu_layer_is_not_taken(dirs):
@@ -211,4 +180,4 @@ def test_fused_gpu_layer_is_not_taken(dirs):
         layer = fuse_projections(DecoderLayer(dataclasses.replace(cfg, qk_norm=qk_norm), jnp.float32, nnx.Rngs(0)))
         assert fused_layer.applies(layer, 8, "pallas", cache) == (not qk_norm)
     path = dirs["tied"][0]  # in-major kernels, as on a GPU (out-major ones are never fused)
-    assert outputs(engine(path, attention_backend="pallas", _out_major=False)) == outputs(engine(path))
+    assert outputs(path_engine(path, attention_backend="pallas", _out_major=False)) == outputs(path_engine(path))

@@ -19,7 +19,7 @@ import torch
 from jaxspec.cache import KVCache
 from jaxspec.errors import JaxspecError
 
-from helpers import make_hf_model
+from helpers import hf_logits, jax_logits, load_float32, make_hf_model, path_engine
 
 V = 256
 TOL = 1e-4
@@ -39,37 +39,6 @@ def dirs(tmp_path_factory):
         hf.save_pretrained(d / name)
         out[name] = (str(d / name), hf)
     return out
-
-
-def load(path):
-    from jaxspec.loader import load as load_model
-
-    return load_model(path, "float32", progress=False, with_tokenizer=False)
-
-
-def logits(model, ids, chunk=None):
-    """Logits [B, T, V] of `ids` [B, T], by chunks of the KV cache (None: one)."""
-    ids = jnp.asarray(ids, jnp.int32)
-    b, t = ids.shape
-    cache, outs = KVCache.create(model.cfg, b, 32, jnp.float32), []
-    for s in range(0, t, chunk or t):
-        tok = ids[:, s : s + (chunk or t)]
-        h, cache, _ = model(tok, jnp.broadcast_to(jnp.arange(s, s + tok.shape[1]), tok.shape), cache)
-        cache.lengths = cache.lengths + tok.shape[1]
-        outs.append(model.logits(h))
-    return np.asarray(jnp.concatenate(outs, axis=1))
-
-
-def hf_logits(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor(ids)).logits.numpy()
-
-
-def engine(path, **kw):
-    from jaxspec.engine import Engine
-
-    kw.setdefault("speculative_algorithm", "NONE")
-    return Engine(path, skip_tokenizer_init=True, show_progress=False, chunked_prefill_size=4, **kw)
 
 
 def outputs(eng):
@@ -175,15 +144,15 @@ def test_logits_match_hf(dirs, name):
     from jaxspec.models.moe import SparseMoeBlock
 
     path, hf = dirs[name]
-    model = load(path).model
+    model = load_float32(path).model
     sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers]
     assert sparse == ([False, True] if name == "moe" else [False, True, False])
     assert all(isinstance(layer.mlp, MLP) for layer, s in zip(model.layers, sparse) if not s)
     assert model.layers[1].mlp.experts.gate_up_proj[...].shape == (8, 64, 64)
     ids = np.random.default_rng(1).integers(0, V, size=(2, 12))
     ref = hf_logits(hf, ids)
-    np.testing.assert_allclose(logits(model, ids), ref, atol=TOL, rtol=0)
-    np.testing.assert_allclose(logits(model, ids, chunk=5), ref, atol=TOL, rtol=0)
+    np.testing.assert_allclose(jax_logits(model, ids), ref, atol=TOL, rtol=0)
+    np.testing.assert_allclose(jax_logits(model, ids, chunk=5), ref, atol=TOL, rtol=0)
 
 
 def test_stacked_layout_and_checkpoint_errors(dirs):
@@ -200,7 +169,7 @@ def test_stacked_layout_and_checkpoint_errors(dirs):
     assert "model.layers.1.mlp.experts.gate_up_proj" in sd  # [E, 2I, H]
     cfg = ModelConfig.from_hf(hf.config.to_dict())
     stacked = load_model(cfg, sd.keys(), sd.__getitem__, progress=False)
-    from_dir = load(path).model
+    from_dir = load_float32(path).model
     for (p, a), (_, b) in zip(nnx.to_flat_state(nnx.state(stacked)), nnx.to_flat_state(nnx.state(from_dir))):
         np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(p))
     back = to_hf_tensors(stacked)
@@ -219,7 +188,7 @@ def test_stacked_layout_and_checkpoint_errors(dirs):
 @pytest.fixture(scope="module")
 def plain(dirs):
     """Plain greedy decoding's tokens of the "moe" model."""
-    return outputs(engine(dirs["moe"][0]))
+    return outputs(path_engine(dirs["moe"][0]))
 
 
 @pytest.mark.parametrize("name", ["moe", "step2"])
@@ -229,7 +198,7 @@ def test_greedy_matches_hf_generate(dirs, name):
     from transformers import GenerationConfig
 
     path, hf = dirs[name]
-    eng = engine(path)
+    eng = path_engine(path)
     mlp = eng.params["layers"][1]["mlp"]
     assert mlp["experts"]["gate_up_proj"][...].shape == (8, 64, 64)
     gc = GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -258,7 +227,7 @@ def test_speculation_is_token_identical_to_plain(dirs, plain, spec):
     path = dirs["moe"][0]
     if spec["speculative_algorithm"] == "STANDALONE":
         spec = dict(spec, speculative_draft_model_path=path)
-    eng = engine(path, **spec)
+    eng = path_engine(path, **spec)
     if "draft" in eng.dparams:
         mlp = eng.dparams["draft"]["layers"][1]["mlp"]
         assert mlp["experts"]["down_proj"][...].dtype == jnp.float32
@@ -271,7 +240,7 @@ def test_speculation_is_token_identical_to_plain(dirs, plain, spec):
 def test_quantized_target_keeps_experts_float(dirs):
     """--quantization int8 quantizes the attention and dense MLP kernels; the router and experts
     stay float, and decoding runs."""
-    eng = engine(dirs["moe"][0], quantization="int8")
+    eng = path_engine(dirs["moe"][0], quantization="int8")
     layers = eng.params["layers"]
     assert layers[0]["mlp"]["down_proj"]["kernel"][...].dtype == jnp.int8
     assert layers[1]["mlp"]["experts"]["gate_up_proj"][...].dtype == jnp.float32
