@@ -105,6 +105,12 @@ class ModelArgs:
         "tensor parallel degree: devices the target's attention heads, MLP and vocabulary are split over "
         "(must divide the attention and KV head counts; multi-host: all devices of all hosts)",
     )
+    ep_size: int = flag(
+        1,
+        "expert parallel degree of a mixture-of-experts target (Qwen3-MoE): its experts are split into this many "
+        "groups over the --tp-size devices (must divide --tp-size and the number of experts; 1: every device "
+        "holds every expert)",
+    )
 
     def validate(self) -> None:
         if self.max_running_requests is not None and self.max_running_requests < 1:
@@ -115,7 +121,19 @@ class ModelArgs:
             raise JaxspecError(f"context_length must be >= 2, got {self.context_length}")
         if self.tp_size < 1:
             raise JaxspecError(f"tp_size must be >= 1, got {self.tp_size}")
+        check_ep_size(self.tp_size, self.ep_size)
         check_choice(self, "quantization")
+
+
+def check_ep_size(tp_size: int, ep_size: int) -> None:
+    """ep_size's checks that need no model: the experts are split over the tp_size devices (as in SGLang)."""
+    if ep_size < 1:
+        raise JaxspecError(f"ep_size must be >= 1, got {ep_size}")
+    if tp_size % ep_size:
+        raise JaxspecError(
+            f"ep_size {ep_size} must divide tp_size {tp_size}: the experts are split over the tp_size devices "
+            f"(as in SGLang), so tp_size must be a multiple of {ep_size}"
+        )
 
 
 def check_choice(args: Any, name: str) -> None:

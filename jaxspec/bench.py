@@ -120,7 +120,7 @@ def run_sweep(args) -> list[dict]:
     except JaxspecError:
         questions = (FALLBACK_PROMPTS * args.prompts)[: args.prompts]
     flags = from_namespace(EngineArgs, args)
-    loaded = load_target(flags, make_mesh(args.tp_size))
+    loaded = load_target(flags, make_mesh(args.tp_size, args.ep_size))
     plain = Engine(
         dataclasses.replace(flags, max_running_requests=max(args.batch_size), speculative_algorithm="NONE"),
         _loaded=loaded,

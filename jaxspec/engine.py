@@ -127,7 +127,7 @@ class Engine:
         except ValueError as e:
             raise JaxspecError(str(e)) from None
         self.tp_size = args.tp_size
-        self.mesh = make_mesh(args.tp_size)  # None for tp_size 1
+        self.mesh = make_mesh(args.tp_size, args.ep_size)  # None for tp_size 1
         given = _loaded is not None  # the caller's model: fused as a copy, never changed
         if _loaded is None:
             _loaded = load_target(args, self.mesh, progress=show_progress, with_tokenizer=not skip_tokenizer_init)
@@ -137,7 +137,7 @@ class Engine:
         self._grammars: Grammars | None = None  # built on the first constrained request
         self.dtype = jnp_dtype(args.dtype)
         self.params: Any
-        check_heads(self.cfg, args.tp_size)
+        check_heads(self.cfg, args.tp_size, args.ep_size)
         # a checkpoint's own quantization (fp8, int8, w8a8_int8; a GGUF's on CPU: jaxspec/default_mode.py)
         self.quantization = args.quantization or _loaded.quantization
         layout = Layout.for_target(args, self.quantization, fuse=_fuse, out_major_ok=_out_major)

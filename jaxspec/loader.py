@@ -17,7 +17,7 @@ from jaxspec.default_model import default_gguf_path, default_model_path
 from jaxspec.errors import JaxspecError
 from jaxspec.models.llama import LlamaForCausalLM
 from jaxspec.models.params import load_gguf_blocks, load_model
-from jaxspec.sharding import check_heads, placer
+from jaxspec.sharding import check_heads, ep_of, placer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -72,7 +72,7 @@ def load(
         quantization = gguf_default(src)
     cfg = ModelConfig.from_hf(src.config)
     if mesh is not None:
-        check_heads(cfg, mesh.size)
+        check_heads(cfg, mesh.size, ep_of(mesh))
     desc = f"loading {os.path.basename(path.rstrip('/'))}"
     if quantization == "gguf":
         check_gguf(src, dtype, mesh)

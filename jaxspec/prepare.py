@@ -8,8 +8,9 @@ One pipeline for both, in this order:
   quantize  int8 / fp8 / w8a8_int8 linear layers (jaxspec/quant.py), when asked
   lay out   on XLA:CPU with one device, out-major kernels (models/llama.py out_major): a few-row
             matmul runs as one pass over the weights
-  shard     the target's parameters split over the tensor-parallel mesh, the draft's replicated
-            (jaxspec/sharding.py)
+  shard     the target's parameters split over the tensor-parallel mesh (a MoE target's experts
+            over its expert groups, their gate/up columns ordered for it first), the draft's
+            replicated (jaxspec/sharding.py)
 
 `prepare_target` and `prepare_draft` run it; `Engine` (jaxspec/engine.py) holds their results,
 and the server reaches them through the engine.
@@ -32,6 +33,7 @@ from jaxspec.default_mode import shipped_draft_by_default
 from jaxspec.drafts import bundled_draft_for
 from jaxspec.loader import LoadedModel
 from jaxspec.models.llama import fuse_projections, out_major
+from jaxspec.models.moe import lay_out_experts
 from jaxspec.models.mtp import mtp_layout
 from jaxspec.quant import quantize_model
 from jaxspec.sharding import replicate, shard_params
@@ -44,26 +46,29 @@ logger = logging.getLogger("jaxspec")
 class Layout:
     """How a model is prepared: fuse (the projections joined; shards: the tensor-parallel shard
     count its fused columns are ordered for), quantization (None: as loaded), cpu_out_major
-    (out-major kernels for XLA:CPU)."""
+    (out-major kernels for XLA:CPU), expert_shards (the devices of an expert group that split its
+    experts' intermediate columns, which a MoE block's gate_up_proj is ordered for: models/moe.py)."""
 
     fuse: bool = True
     shards: int = 1
     quantization: str | None = None
     cpu_out_major: bool = False
+    expert_shards: int = 1
 
     @classmethod
     def for_target(cls, args: EngineArgs, quantization: str | None, fuse: bool, out_major_ok: bool) -> Layout:
         """The target's layout; out-major kernels only on XLA:CPU with one device (and fused
         projections: the fused matmuls are the ones laid out)."""
         cpu = fuse and out_major_ok and args.tp_size == 1 and compile_target.platform() == "cpu"
-        return cls(fuse=fuse, shards=args.tp_size, quantization=quantization, cpu_out_major=cpu)
+        experts = args.tp_size // args.ep_size if args.ep_size > 1 else 1
+        return cls(fuse, args.tp_size, quantization, cpu, experts)
 
 
 def prepare(model: Any, layout: Layout) -> tuple[Any, Any]:
     """fuse -> quantize -> lay out one NNX model (changed in place: pass a clone to keep it).
     Returns (graphdef, params) as nnx.split gives them."""
     model = fuse_projections(model, layout.shards) if layout.fuse else model
-    model = quantize_model(model, layout.quantization)
+    model = quantize_model(lay_out_experts(model, layout.expert_shards), layout.quantization)
     return nnx.split(out_major(model) if layout.cpu_out_major else model)
 
 
@@ -71,7 +76,7 @@ def prepare_target(loaded: LoadedModel, layout: Layout, mesh, given: bool) -> tu
     """The target's (graphdef, params), its parameters placed on the tensor-parallel mesh (None: one
     device). given: the model is the caller's, so it is prepared as a copy and stays as it was."""
     model = loaded.model
-    if given and (layout.fuse or layout.quantization):
+    if given and (layout.fuse or layout.quantization or layout.expert_shards > 1):
         model = nnx.clone(model)
     graphdef, params = prepare(model, layout)
     if layout.quantization in ("int8", "fp8") and compile_target.platform() == "cpu":
@@ -91,7 +96,7 @@ def prepare_draft(
     proposer, dparams = load_proposer(spec, target, dtype, progress)
     if "draft" in dparams and (layout.fuse or layout.quantization):  # model drafts (not NGRAM's corpus)
         draft = nnx.merge(proposer.graphdef, dparams["draft"])
-        graphdef, dparams["draft"] = prepare(draft, dataclasses.replace(layout, shards=1))
+        graphdef, dparams["draft"] = prepare(draft, dataclasses.replace(layout, shards=1, expert_shards=1))
         proposer = dataclasses.replace(proposer, graphdef=graphdef)
     return proposer, replicate(dparams, mesh)
 

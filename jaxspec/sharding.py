@@ -1,5 +1,6 @@
 """Tensor parallelism through JAX's SPMD partitioner: a 1-D ("tp",) device mesh and the
-PartitionSpec of every target parameter and of the KV cache (Megatron layout).
+PartitionSpec of every target parameter and of the KV cache (Megatron layout); expert parallelism
+for mixture-of-experts targets over the same devices (below).
 
 Linear kernels are [in, out] (models/llama.py):
   q_proj, k_proj, v_proj, gate_proj, up_proj   column split  kernel P(None, "tp"), bias P("tp")
@@ -21,6 +22,24 @@ The target's weights go straight from the checkpoint to their shards (loader.loa
 Nothing else changes: params and caches are placed on the mesh, the same jitted programs run over
 them, and XLA's partitioner inserts the collectives (all-reduce after o_proj / down_proj, vocab
 gathers), so a speculative round stays one compiled program.
+
+Expert parallelism (`ep_size`, SGLang's meaning): a mixture-of-experts target's experts are split
+over the same tp_size devices, in ep_size groups of tp_size / ep_size devices (ep_size divides
+tp_size; device d is in group d // (tp_size / ep_size), as SGLang's moe_ep_rank). The mesh's axis
+names say which layout runs, so that everything that holds the mesh knows it:
+  ("tp",)            ep_size 1       experts replicated (stacked weights P())
+  ("ep",)            ep_size tp_size attention, MLP, vocabulary split over "ep" as over "tp" above;
+                                     experts gate_up_proj [E, H, 2I] and down_proj [E, I, H] P("ep")
+  ("ep", "moe_tp")   1 < ep < tp     the tensor-parallel splits over both axes (all tp devices, in
+                                     the same order); experts P("ep", None, "moe_tp") and
+                                     P("ep", "moe_tp", None): group g holds experts
+                                     [g E / ep, (g + 1) E / ep), each of its devices a 1 / moe_tp
+                                     slice of their intermediate columns (gate_up_proj laid out
+                                     shard-major: models/moe.py)
+One mesh over the same devices, rather than a second mesh axis with devices of its own, because
+the expert weights are what a MoE model's memory is (all but a few percent of Qwen3-30B-A3B's):
+splitting them over the devices tensor parallelism already uses is what lets a larger model fit,
+and attention stays split as before, never repeated. models/moe.py runs the experts in a shard_map.
 """
 
 from __future__ import annotations
@@ -34,51 +53,93 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxspec.args import check_ep_size
 from jaxspec.config import ModelConfig
 from jaxspec.errors import JaxspecError
 
 AXIS = "tp"
+EP_AXIS = "ep"  # experts' axis (and the tensor-parallel one when ep_size = tp_size)
+MOE_TP_AXIS = "moe_tp"  # within an expert group (1 < ep_size < tp_size)
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj")
 ROW = ("o_proj", "down_proj")
-KV_SPEC = P(None, None, AXIS)  # no trailing None: how jit spells the caches it returns, so passing them back matches
 
 
-def make_mesh(tp_size: int) -> Mesh | None:
-    """The ("tp",) mesh over the first tp_size devices; None for tp_size 1 (no mesh at all)."""
+def mesh_axes(tp_size: int, ep_size: int = 1) -> tuple[str, ...]:
+    """The mesh's axis names for tp_size devices of which ep_size groups hold the experts (module
+    docstring)."""
+    if ep_size == 1:
+        return (AXIS,)
+    return (EP_AXIS,) if ep_size == tp_size else (EP_AXIS, MOE_TP_AXIS)
+
+
+def make_mesh(tp_size: int, ep_size: int = 1) -> Mesh | None:
+    """The mesh over the first tp_size devices, shaped (ep_size, tp_size / ep_size) for expert
+    parallelism (module docstring); None for tp_size 1 (no mesh at all)."""
     n = len(jax.devices())
     if tp_size < 1 or tp_size > n:
         raise JaxspecError(
             f"tp_size must be in 1..{n} (the number of {jax.devices()[0].platform} devices), got {tp_size}"
         )
+    check_ep_size(tp_size, ep_size)
     if tp_size == 1:
         return None
-    return jax.make_mesh((tp_size,), (AXIS,), axis_types=(AxisType.Auto,), devices=jax.devices()[:tp_size])
+    names = mesh_axes(tp_size, ep_size)
+    shape = (tp_size,) if len(names) == 1 else (ep_size, tp_size // ep_size)
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=jax.devices()[:tp_size])
 
 
-def check_heads(cfg: ModelConfig, tp_size: int) -> None:
-    """Each device must hold whole query heads and whole KV heads."""
+def tp_axis(mesh: Mesh) -> str | tuple[str, ...]:
+    """The axis (or axes, all devices in order) that tensor parallelism splits over on `mesh`."""
+    names = tuple(mesh.axis_names)
+    return names[0] if len(names) == 1 else names
+
+
+def ep_of(mesh: Mesh | None) -> int:
+    """ep_size of `mesh` (1 without a mesh or without expert parallelism)."""
+    return 1 if mesh is None else int(dict(mesh.shape).get(EP_AXIS, 1))
+
+
+def check_heads(cfg: ModelConfig, tp_size: int, ep_size: int = 1) -> None:
+    """Each device must hold whole query heads and whole KV heads, and with ep_size > 1 each expert
+    group whole experts of a mixture-of-experts model."""
     for name, heads in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads)):
         if heads % tp_size:
             raise JaxspecError(f"tp_size {tp_size} must divide the model's {name} ({heads})")
+    if ep_size == 1:
+        return
+    if not cfg.sparse_layers:
+        raise JaxspecError(
+            f"ep_size {ep_size} needs a mixture-of-experts model (Qwen3-MoE); this {cfg.model_type} model has no experts"
+        )
+    if cfg.num_experts % ep_size:
+        raise JaxspecError(f"ep_size {ep_size} must divide the model's num_experts ({cfg.num_experts})")
 
 
-def param_spec(path: tuple, shape: tuple, tp: int) -> P:
-    """PartitionSpec of the target parameter at NNX `path` (e.g. ("layers", 0, "mlp", "up_proj", "kernel"))."""
+def param_spec(path: tuple, shape: tuple, tp: int, ep: int = 1) -> P:
+    """PartitionSpec of the target parameter at NNX `path` (e.g. ("layers", 0, "mlp", "up_proj",
+    "kernel")) on the mesh of `make_mesh(tp, ep)`."""
     name, parent = str(path[-1]), str(path[-2]) if len(path) > 1 else ""
-    spec: tuple[str | None, ...]
+    names = mesh_axes(tp, ep)
+    axis = names[0] if len(names) == 1 else names
+    spec: tuple[str | tuple[str, ...] | None, ...]
+    if parent == "experts" and ep > 1:  # stacked experts gate_up_proj [E, H, 2I], down_proj [E, I, H]
+        up = name == "gate_up_proj"
+        inter = shape[2] // 2 if up else shape[1]  # I, split within a group when it divides evenly
+        inner = MOE_TP_AXIS if MOE_TP_AXIS in names and inter % (tp // ep) == 0 else None
+        return P(EP_AXIS, None, inner) if up else P(EP_AXIS, inner, None)
     if name == "embed_tokens":
-        spec = (AXIS, None)
+        spec = (axis, None)
     elif (parent in ("lm_head", "head_int8") or parent in COLUMN) and name == "kernel":
-        spec = (None, AXIS)
+        spec = (None, axis)
     elif parent in ("lm_head", "head_int8") or parent in COLUMN:  # bias or quantization scale [out]
-        spec = (AXIS,)
+        spec = (axis,)
     elif parent in ROW and name == "kernel":
-        spec = (AXIS, None)
+        spec = (axis, None)
     else:
         return P()
     # gate_up_proj [H, 2I] is split only when tp divides I (else MLP.fuse lays it out for 1 shard)
     parts = 2 if parent == "gate_up_proj" else 1
-    if any(a == AXIS and d % (tp * parts) for a, d in zip(spec, shape)):
+    if any(a == axis and d % (tp * parts) for a, d in zip(spec, shape)):
         return P()
     return P(*spec)
 
@@ -88,7 +149,8 @@ def placer(mesh: Mesh | None):
     mesh). Loaders call it per tensor, so that no device ever holds the whole model."""
     if mesh is None:
         return None
-    return lambda path, x: put(x, NamedSharding(mesh, param_spec(path, x.shape, mesh.shape[AXIS])))
+    tp, ep = mesh.size, ep_of(mesh)
+    return lambda path, x: put(x, NamedSharding(mesh, param_spec(path, x.shape, tp, ep)))
 
 
 def shard_params(state: nnx.State, mesh: Mesh | None) -> nnx.State:
@@ -165,8 +227,9 @@ def replicate(tree, mesh: Mesh | None):
 
 
 def kv_sharding(mesh: Mesh | None) -> NamedSharding | None:
-    """Where KV buffers [B, S, Hkv, D] live: split on the KV-head axis (None without a mesh)."""
-    return None if mesh is None else NamedSharding(mesh, KV_SPEC)
+    """Where KV buffers [B, S, Hkv, D] live: split on the KV-head axis (None without a mesh). No
+    trailing None: how jit spells the caches it returns, so passing them back matches."""
+    return None if mesh is None else NamedSharding(mesh, P(None, None, tp_axis(mesh)))
 
 
 def init_distributed(addr: str | None, nnodes: int, node_rank: int) -> None:

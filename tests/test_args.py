@@ -36,7 +36,7 @@ SGLANG_SPECULATIVE = {
     "speculative_ngram_capacity": 10 * 1000 * 1000,
 }
 # SGLang's names for the model and server flags jaxspec shares (defaults may differ: jaxspec's are sized
-# for its own engine; tp_size and max_running_requests are asserted)
+# for its own engine; tp_size, ep_size and max_running_requests are asserted)
 SGLANG_SERVER = (
     "host",
     "port",
@@ -60,6 +60,7 @@ SGLANG_MODEL = (
     "attention_backend",
     "random_seed",
     "tp_size",
+    "ep_size",
     "dtype",
     "log_level",
 )
@@ -105,7 +106,7 @@ def test_sglang_names_and_defaults():
     assert set(SGLANG_SERVER) <= server
     model = {f.name: f.default for f in dataclasses.fields(ModelArgs)}
     assert set(SGLANG_MODEL) <= set(model)
-    assert model["tp_size"] == 1 and model["max_running_requests"] is None
+    assert model["tp_size"] == 1 and model["ep_size"] == 1 and model["max_running_requests"] is None
 
 
 def test_parsed_flags_reach_the_dataclasses():

@@ -96,7 +96,7 @@ def test_config(dirs):
     for match, c in bad.items():
         with pytest.raises(JaxspecError, match=match):
             ModelConfig.from_hf(c)
-    # tensor parallelism replicates the router and the stacked experts (no expert parallelism yet)
+    # tensor parallelism alone (ep_size 1) replicates the router and the stacked experts (tests/test_expert_parallel.py)
     assert param_spec(("layers", 1, "mlp", "experts", "gate_up_proj"), (8, 64, 64), 2) == P()
     assert param_spec(("layers", 1, "mlp", "gate", "weight"), (8, 64), 2) == P()
 

@@ -287,7 +287,9 @@ class DecoderLayer(nnx.Module):
         xn = x if self.input_layernorm is None else self.input_layernorm(x)
         a, cache = self.self_attn(xn, positions, inv_freq, cache, layer, local_mask, offset, backend)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        h = self.post_attention_layernorm(x)
+        # a MoE block reads the mesh (expert parallelism) from the KV cache's sharding, as attention does
+        return x + (self.mlp(h, cache.sharding) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(h)), cache
 
 
 class LlamaForCausalLM(nnx.Module):
