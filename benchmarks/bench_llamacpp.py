@@ -1,7 +1,8 @@
 """llama.cpp beside jaxspec on the same GGUF, prompts and token counts, one run.
 
-    python benchmarks/bench_llamacpp.py [--prompts 5] [--new 64] [--threads 2] [--configs gguf,gguf+draft,w8a8]
-                                        [--temperature 1] [--skip-llamacpp] [--interleave] [--repeats 3]
+    python benchmarks/bench_llamacpp.py [--prompts 5] [--new 64] [--threads 2] [--configs default,gguf,gguf+draft,w8a8]
+                                        [--temperature 1] [--skip-llamacpp] [--llamacpp-lookup 10]
+                                        [--interleave] [--repeats 3]
 
 Needs `llama-cpp-python` (not a jaxspec dependency: `pip install llama-cpp-python` builds llama.cpp
 from source, about 10 minutes on 2 cores). The default model's GGUF (SmolLM2-135M-Instruct, Q4_1)
@@ -16,6 +17,10 @@ distribution alone (no top-k, top-p or min-p on either side) and only speeds are
 --skip-llamacpp runs the jaxspec configurations alone (where llama-cpp-python is not installed);
 --interleave holds them all at once and runs them prompt by prompt in turn (one at a time otherwise);
 --repeats N keeps each jaxspec prompt's fastest of N runs (for a machine that another job shares at times).
+Configuration `default` is `jaxspec.Engine()` with no options (on a CPU: the GGUF's own blocks, no
+draft). --llamacpp-lookup N adds llama.cpp's speculative mode as its Python binding offers it:
+prompt-lookup decoding (`LlamaPromptLookupDecoding`, N draft tokens from the context; the binding
+takes no second model as a draft), beside jaxspec's own prompt lookup, configuration `gguf+ngram`.
 """
 
 from __future__ import annotations
@@ -34,11 +39,17 @@ def agreement(outs, ref, new: int) -> float:
 
 
 def llamacpp_outputs(
-    path: str, ids: list[list[int]], new: int, threads: int, temperature: float = 0.0
+    path: str, ids: list[list[int]], new: int, threads: int, temperature: float = 0.0, lookup: int = 0
 ) -> tuple[list[list[int]], list[float]]:
+    """llama.cpp's outputs and tokens/s per prompt; lookup > 0: with prompt-lookup drafts of that many tokens."""
     from llama_cpp import Llama
 
-    llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
+    kw = {}
+    if lookup:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        kw["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=lookup)
+    llm = Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False, **kw)
 
     def run(x):
         out = []
@@ -63,7 +74,8 @@ def engine(name: str):
     import jaxspec
 
     kw = dict(CONFIGS[name])
-    kw.setdefault("speculative_algorithm", "NONE")
+    if name != "default":  # the others name their algorithm or run none
+        kw.setdefault("speculative_algorithm", "NONE")
     return jaxspec.Engine(show_progress=False, **kw)
 
 
@@ -115,7 +127,12 @@ def main():
     ap.add_argument("--prompts", type=int, default=5)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (XLA:CPU uses every core)")
-    ap.add_argument("--configs", default="gguf,gguf+draft,w8a8", help="jaxspec configurations of bench_quant.py")
+    ap.add_argument(
+        "--configs", default="default,gguf,gguf+draft,w8a8", help="jaxspec configurations of bench_quant.py"
+    )
+    ap.add_argument(
+        "--llamacpp-lookup", type=int, default=0, help="N > 0: also llama.cpp with prompt-lookup drafts of N tokens"
+    )
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (agreement measured); > 0: speed only")
     ap.add_argument("--skip-llamacpp", action="store_true", help="jaxspec's configurations only")
     ap.add_argument(
@@ -144,6 +161,14 @@ def main():
         for name, t, ag in rows:
             print(f"| {name} | {t:.1f} | {t / rows[0][1]:.2f}× | {ag:.3f} |")
         return
+    if args.llamacpp_lookup:
+        outs, tps = llamacpp_outputs(
+            default_gguf_path(), ids, args.new, args.threads, args.temperature, args.llamacpp_lookup
+        )
+        label = f"llama.cpp Q4_1 + prompt lookup {args.llamacpp_lookup}, {args.threads} threads"
+        rows.append((label, statistics.mean(tps), agreement(outs, ref, args.new)))
+        print(f"{rows[-1][0]:24s} {rows[-1][1]:7.1f} tok/s  agree {rows[-1][2]:.3f}", flush=True)
+        all_outs.append(outs)
     outs, tps = llamacpp_outputs(default_gguf_path(), ids, args.new, args.threads, args.temperature)
     rows.append((f"llama.cpp Q4_1, {args.threads} threads", statistics.mean(tps), agreement(outs, ref, args.new)))
     print(f"{rows[-1][0]:24s} {rows[-1][1]:7.1f} tok/s  agree {rows[-1][2]:.3f}", flush=True)

@@ -59,6 +59,10 @@ CONFIGS = {
         speculative_draft_model_quantization="unquant",
     ),
     "gguf+adaptive": dict(quantization="gguf", speculative_algorithm="EAGLE3"),
+    # NGRAM (prompt lookup, no draft model) over the file's blocks: beside llama.cpp's own prompt lookup
+    "gguf+ngram": dict(quantization="gguf", speculative_algorithm="NGRAM"),
+    # `jaxspec.Engine()` / `jaxspec serve` with no options: what a new user meets first
+    "default": dict(),
 }
 
 
@@ -108,7 +112,8 @@ def main():
     ref_out, ref_nll, rows = None, None, []
     for name in args.configs.split(","):
         kw = dict(CONFIGS[name])
-        kw.setdefault("speculative_algorithm", "NONE")
+        if name != "default":
+            kw.setdefault("speculative_algorithm", "NONE")
         eng = jaxspec.Engine(show_progress=False, **kw)
         ids = [eng.encode(eng.apply_chat_template([{"role": "user", "content": q}]), False) for q in questions]
         texts = [eng.encode(t, False)[:256] for t in held_out_texts(args.texts)]

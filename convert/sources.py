@@ -2,7 +2,7 @@
 
 HF directory:  config.json + model.safetensors | model-*.safetensors (+ index) | pytorch_model*.bin
 EAGLE head:    the same files with a LlamaForCausalLMEagle(3) config (kind "eagle", no tokenizer)
-GGUF file:     llama / qwen2 / qwen3 architectures, any quantisation the `gguf` package dequantises
+GGUF file:     llama / qwen2 / qwen3 / qwen3moe architectures, any quantisation the `gguf` package dequantises
 (a directory holding exactly one .gguf and no config.json counts as that GGUF file)
 """
 

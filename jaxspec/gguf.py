@@ -16,6 +16,13 @@ other rows of the call. Embedding rows are read back by `rows` (the rows asked f
 tensors (norms; some files' output heads) are read as float32 and run as usual.
 
 CPU only: the kernel is XLA:CPU code, and other platforms get a clear error when the model loads.
+
+Mixture-of-experts layers (llama.cpp's `qwen3moe` files) keep their attention, dense MLP and
+embedding blocks, but their routers and expert stacks are dequantized to float32 when the model
+loads, whatever their type (models/params.py `load_gguf_blocks`, with a warning): the kernel
+multiplies one Linear's rows for every token, where a MoE block gathers each token's k experts
+(models/moe.py), which would need a gathered block kernel. Float32 experts take 4 bytes a weight
+against Q8_0's 1.06 and Q4_0's 0.56 (Qwen3-30B-A3B's 29 billion expert weights: about 116 GB).
 """
 
 from __future__ import annotations

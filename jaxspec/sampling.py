@@ -24,6 +24,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
 from jaxspec import compile_target
 from jaxspec.errors import JaxspecError
+from jaxspec.speculative.short_axis import row_argmax, row_max_argmax, row_sum
 
 GREEDY_EPS = 1e-6
 
@@ -364,7 +365,7 @@ def kept_weights(logits, st: SamplingTensors, filtered: bool = True, logits_max=
 def target_probs(logits, st: SamplingTensors, filtered: bool = True, logits_max=None):
     """The distribution `sample` draws from, as probabilities over the vocabulary [R, V]."""
     w = kept_weights(logits, st, filtered, logits_max)
-    return w / jnp.sum(w, axis=-1, keepdims=True)
+    return w / row_sum(w, keepdims=True)
 
 
 def draw(w, u):
@@ -400,17 +401,33 @@ FALLBACK_SHIFT = 1000.0  # draw_keyed's fallback scores lie this far below every
 def draw_keyed(w, keys, fallback=None):
     """w [R, V] >= 0, keys: typed PRNG keys [R] -> index [R] int32 with probability w / sum(w);
     a row of w with no entry > 0 draws from fallback [R, V] instead (which has one; without a
-    fallback every row of w must). On CPU the inverse-CDF `draw` from one uniform per row; on a
-    GPU a Gumbel-max draw, argmax(log w + G) with G iid Gumbel per token, which XLA fuses (the
-    random numbers included) into one pass over the vocabulary instead of `draw`'s six kernels
-    and needs no normalising sum. The random numbers are free there; on a 2-core CPU V of them
-    per row cost 20-40x the draw."""
+    fallback every row of w must). `draw_noised(w, noise(keys, V), fallback)`: see there."""
+    return draw_noised(w, noise(keys, w.shape[-1]), fallback)
+
+
+def noise(keys, v: int):
+    """The random numbers `draw_noised` takes for one draw per key [...] over V entries: on CPU one
+    uniform per key [...], on a GPU one Gumbel per key and entry [..., V]. Made apart from the draw
+    so that a program with several draws makes all of their noise in one kernel."""
+    if compile_target.platform() == "cpu":
+        return jax.vmap(jax.random.uniform)(keys.reshape(-1)).reshape(keys.shape)
+    flat = keys.reshape(-1)
+    g = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(flat)
+    return g.reshape(*keys.shape, v)
+
+
+def draw_noised(w, noise, fallback=None):
+    """w [R, V] >= 0 and noise [R] or [R, V] (from `noise`) -> index [R] int32 with probability
+    w / sum(w); a row of w with no entry > 0 draws from fallback [R, V] instead (which has one;
+    without a fallback every row of w must). On CPU the inverse-CDF `draw` from one uniform per
+    row; on a GPU a Gumbel-max draw, argmax(log w + G) with G iid Gumbel per token, one pass over
+    the vocabulary instead of `draw`'s six kernels, with no normalising sum. The random numbers
+    are free there; on a 2-core CPU V of them per row cost 20-40x the draw."""
     if compile_target.platform() == "cpu":
         if fallback is not None:
             w = jnp.where(jnp.sum(w, -1, keepdims=True) > 0, w, fallback)
-        return draw(w, uniforms(keys))
-    g = jax.vmap(lambda k: jax.random.gumbel(k, w.shape[1:], jnp.float32))(keys)
-    score = lambda x: jnp.where(x > 0, jnp.log(x) + g, -jnp.inf)
+        return draw(w, noise)
+    score = lambda x: jnp.where(x > 0, jnp.log(x) + noise, -jnp.inf)
     if fallback is None:
         return argmax(score(w))
     # the fallback's scores sit FALLBACK_SHIFT below w's: w's are at least log(1e-45) + G >= -108
@@ -423,14 +440,28 @@ def argmax(x, axis: int = -1):
     """jnp.argmax(x, axis) as int32: the first maximal index, a NaN counting as maximal. On CPU two
     reductions that vectorise instead of jnp.argmax's one (value, index) reduction, which XLA:CPU runs
     an element at a time: over SmolLM2's 49,152 logits 27 against 212 us a row (2-core AMD EPYC).
-    Elsewhere jnp.argmax itself: one reduction, one kernel on a GPU where the two take five."""
+    Elsewhere jnp.argmax itself (short_axis.row_argmax: one kernel on a GPU at any vocabulary size,
+    where the two take five)."""
     if compile_target.platform() != "cpu":
-        return jnp.argmax(x, axis).astype(jnp.int32)
+        return row_argmax(jnp.moveaxis(x, axis, -1))
     axis = axis % x.ndim
     nan = jnp.isnan(x)
     hit = jnp.where(jnp.any(nan, axis, keepdims=True), nan, x == jnp.max(x, axis, keepdims=True))
     idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
     return jnp.min(jnp.where(hit, idx, x.shape[axis] - 1), axis)
+
+
+def max_argmax(x):
+    """x [..., V] -> (the largest entry [...], `argmax(x)` [...]) at the cost of the argmax alone:
+    on CPU argmax's own max, on a GPU its (value, index) reduction (short_axis.row_max_argmax).
+    The largest is NaN where x holds a NaN."""
+    if compile_target.platform() != "cpu":
+        return row_max_argmax(x)
+    m = jnp.max(x, -1, keepdims=True)
+    nan = jnp.isnan(x)
+    hit = jnp.where(jnp.any(nan, -1, keepdims=True), nan, x == m)
+    idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return m[..., 0], jnp.min(jnp.where(hit, idx, x.shape[-1] - 1), -1)
 
 
 def sample(logits, st: SamplingTensors, counts, seen, keys, sampled: bool | str = True):

@@ -37,7 +37,7 @@ from jaxspec.grammar import Emitted, mask_logits, sync
 from jaxspec.logprobs import TokenLogprobs, compute
 from jaxspec.sampling import SamplingTensors, sample
 from jaxspec.sharding import put
-from jaxspec.speculative.loop import SpecState, plain_steps, prefill_step, spec_round
+from jaxspec.speculative.loop import SpecState, plain_steps, prefill_step, round_constants, spec_round
 from jaxspec.speculative.proposers.base import DraftState
 from jaxspec.speculative.proposers.suffix import SuffixCache
 from jaxspec.weights import Models
@@ -327,10 +327,7 @@ def dispatch(
         w, trips = core.out.shape[1], 1
         step = lambda s: plain_steps(tgt, prop, dparams, s, st, sub.max_new, sub.stop_ids, w, backend, sampled, cpu)
     else:
-        thr = (
-            jnp.full((n_act,), spec.accept_threshold_single, jnp.float32),
-            jnp.full((n_act,), spec.accept_threshold_acc, jnp.float32),
-        )
+        consts = round_constants(tgt, prop, dparams, spec, st, sampled)
         step = lambda s: spec_round(
             tgt,
             prop,
@@ -340,7 +337,7 @@ def dispatch(
             st,
             sub.max_new,
             sub.stop_ids,
-            thr,
+            consts,
             backend,
             plain=sub.plain,
             sampled=sampled,

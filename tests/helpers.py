@@ -190,11 +190,17 @@ def save_eagle_head(
 
 
 def quantize(w: np.ndarray, kind: str) -> np.ndarray:
-    """w [..., I] float -> GGUF blocks of type `kind` (Q4_0, Q8_0, ...) by the `gguf` package."""
+    """w [..., I] float -> GGUF blocks of type `kind` (Q4_0, Q8_0, ...) by the `gguf` package; a type
+    it cannot write (Q8_1, ...) gets zero blocks of that type's size, for files that must be refused."""
     from gguf import GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
     from gguf.quants import quantize as q
 
-    return q(np.ascontiguousarray(w, np.float32), getattr(GGMLQuantizationType, kind))
+    qtype = getattr(GGMLQuantizationType, kind)
+    try:
+        return q(np.ascontiguousarray(w, np.float32), qtype)
+    except NotImplementedError:
+        return np.zeros(quant_shape_to_byte_shape(w.shape, qtype), np.uint8)
 
 
 # HF per-layer module -> llama.cpp's GGUF tensor name part (q/k norms: Qwen3 only)
@@ -214,16 +220,18 @@ GGUF_PARTS = {
 
 
 def write_gguf(hf_model, path: str, kinds: dict[str, str]) -> str:
-    """A llama, qwen2 or qwen3 GGUF file of `hf_model` (torch) with llama.cpp's tensor names,
-    metadata and q/k row order (permuted for llama only); kinds: GGUF tensor name part (token_embd,
-    attn_q, ffn_down, ...) -> type (default Q8_0 for matrices; norms F32)."""
+    """A llama, qwen2, qwen3 or qwen3moe GGUF file of `hf_model` (torch) with llama.cpp's tensor
+    names, metadata and q/k row order (permuted for llama only); kinds: GGUF tensor name part
+    (token_embd, attn_q, ffn_down, ffn_gate_exps, ...) -> type (default Q8_0 for matrices and
+    expert stacks; norms and MoE routers F32, as llama.cpp's converter keeps them)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     cfg = hf_model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     permute = lambda w, n: w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
     sd = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
-    arch = cfg.model_type  # llama, or qwen2 / qwen3 (whose q/k rows llama.cpp leaves in place)
+    # llama, or qwen2 / qwen3 / qwen3moe (whose q/k rows llama.cpp leaves in place)
+    arch = {"qwen3_moe": "qwen3moe"}.get(cfg.model_type, cfg.model_type)
     wr = GGUFWriter(path, arch)
     wr.add_block_count(cfg.num_hidden_layers)
     wr.add_context_length(cfg.max_position_embeddings)
@@ -237,9 +245,13 @@ def write_gguf(hf_model, path: str, kinds: dict[str, str]) -> str:
     wr.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     wr.add_rope_freq_base(float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)))
     wr.add_vocab_size(cfg.vocab_size)
+    if arch == "qwen3moe":  # what llama.cpp's converter writes (no expert_weights_norm: llama.cpp renormalises)
+        wr.add_expert_count(cfg.num_experts)
+        wr.add_expert_used_count(cfg.num_experts_per_tok)
+        wr.add_expert_feed_forward_length(cfg.moe_intermediate_size)
 
     def add(name: str, part: str, w: np.ndarray):
-        kind = kinds.get(part, "Q8_0" if w.ndim == 2 else "F32")
+        kind = kinds.get(part, "Q8_0" if w.ndim >= 2 and part != "ffn_gate_inp" else "F32")
         if kind in ("F32", "F16"):
             wr.add_tensor(name, w.astype(np.float32 if kind == "F32" else np.float16))
         else:
@@ -259,11 +271,34 @@ def write_gguf(hf_model, path: str, kinds: dict[str, str]) -> str:
             add(f"blk.{i}.{part}.weight", part, w)
             if f"model.layers.{i}.{hf}.bias" in sd:
                 wr.add_tensor(f"blk.{i}.{part}.bias", sd[f"model.layers.{i}.{hf}.bias"].astype(np.float32))
+        for part, w in gguf_experts(sd, i).items():
+            add(f"blk.{i}.{part}.weight", part, w)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()
     wr.close()
     return path
+
+
+def gguf_experts(sd: dict, layer: int) -> dict[str, np.ndarray]:
+    """llama.cpp's MoE tensors of HF state dict `sd`'s layer (none for a dense layer): the router
+    ffn_gate_inp [E, H], and the experts stacked, ffn_gate_exps / ffn_up_exps [E, I, H] and
+    ffn_down_exps [E, H, I], from transformers' in-memory gate_up_proj [E, 2I, H] (gate rows first)
+    and down_proj [E, H, I], or from per-expert tensors."""
+    p = f"model.layers.{layer}.mlp."
+    if p + "gate.weight" not in sd:
+        return {}
+    if p + "experts.gate_up_proj" in sd:
+        gate_up = sd[p + "experts.gate_up_proj"]
+        gate, up = np.split(gate_up, 2, axis=1)
+        down = sd[p + "experts.down_proj"]
+    else:
+        e = sd[p + "gate.weight"].shape[0]
+        gate, up, down = (np.stack([sd[f"{p}experts.{i}.{q}.weight"] for i in range(e)]) for q in PROJS)
+    return {"ffn_gate_inp": sd[p + "gate.weight"], "ffn_gate_exps": gate, "ffn_up_exps": up, "ffn_down_exps": down}
+
+
+PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
 # ---- speculative decoding on a tiny target (tests/test_speculative.py) -------------------------

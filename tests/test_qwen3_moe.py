@@ -4,7 +4,10 @@ experts whose top k SwiGLU MLPs are summed with their (optionally renormalised) 
 through jaxspec's loader (per-expert checkpoint tensors stacked) with HF's float32 logits, decode
 HF's greedy tokens, and decode the same tokens speculatively (the model as its own STANDALONE
 draft, and NGRAM); the block's grouped matmuls (ragged_dot over rows sorted by expert) equal a
-dense computation of every expert on every row."""
+dense computation of every expert on every row. The same weights written as llama.cpp's `qwen3moe`
+GGUF files (router ffn_gate_inp, expert stacks ffn_{gate,up,down}_exps) read back to HF's logits,
+decode HF's greedy tokens, keep their attention blocks under --quantization gguf (experts read as
+float32), and files whose experts jaxspec cannot read are refused with a JaxspecError."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import torch
 from jaxspec.cache import KVCache
 from jaxspec.errors import JaxspecError
 
-from helpers import hf_logits, jax_logits, load_float32, make_hf_model, path_engine
+from helpers import GGUF_PARTS, hf_logits, jax_logits, load_float32, make_hf_model, path_engine, write_gguf
 
 V = 256
 TOL = 1e-4
@@ -262,3 +265,138 @@ def test_fused_gpu_layer_is_not_taken():
     for index in (0, 1):
         layer = fuse_projections(DecoderLayer(cfg, jnp.float32, nnx.Rngs(0), index=index))
         assert fused_layer.applies(layer, 8, "pallas", cache) == (index == 0)
+
+
+# ---- llama.cpp's qwen3moe GGUF files ----------------------------------------------------------------
+
+FLOATS = dict.fromkeys(
+    ["token_embd", "output", *GGUF_PARTS.values(), "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"], "F32"
+)
+
+
+@pytest.fixture(scope="module")
+def ggufs(dirs, tmp_path_factory):
+    """name -> (path, torch model): "sparse" (every layer sparse, as llama.cpp's qwen3moe has them;
+    its HF directory beside it) in F32 and with Q8_0 matrices and expert stacks; "moe" (the HF
+    fixture: layer 0 dense, read back from its ffn_gate / ffn_up / ffn_down) in F32."""
+    d = tmp_path_factory.mktemp("qwen3_moe_gguf")
+    sparse = make_hf_model("qwen3_moe", 2, vocab_size=V, initializer_range=0.3, mlp_only_layers=[])
+    sparse.save_pretrained(d / "sparse")
+    moe = dirs["moe"][1]
+    return {
+        "sparse": (write_gguf(sparse, str(d / "sparse.gguf"), FLOATS), sparse),
+        "sparse_dir": (str(d / "sparse"), sparse),
+        "q8": (write_gguf(sparse, str(d / "sparse-q8.gguf"), {}), sparse),
+        "moe": (write_gguf(moe, str(d / "moe.gguf"), FLOATS), moe),
+    }
+
+
+def test_gguf_config(ggufs):
+    """The MoE fields read from the file's metadata and layers are the HF config's; top-k weights
+    renormalised as llama.cpp does for qwen3moe; experts under the released per-expert names."""
+    from jaxspec.config import ModelConfig
+    from jaxspec.convert.sources import open_source
+
+    for name, dense in (("sparse", ()), ("moe", (0,))):
+        src = open_source(ggufs[name][0])
+        cfg, ref = ModelConfig.from_hf(src.config), ModelConfig.from_hf(ggufs[name][1].config.to_dict())
+        assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
+            "qwen3_moe",
+            8,
+            2,
+            32,
+        )
+        assert cfg.norm_topk_prob and cfg.mlp_only_layers == dense and cfg.sparse_layers == ref.sparse_layers
+        assert (cfg.head_dim, cfg.num_kv_heads, cfg.qk_norm) == (ref.head_dim, ref.num_kv_heads, True)
+        assert src.types["model.layers.1.mlp.experts.7.down_proj.weight"] == "F32"
+        assert src.get("model.layers.1.mlp.experts.7.down_proj.weight").shape == (64, 32)  # [H, I]
+
+
+@pytest.mark.parametrize("name", ["sparse", "moe"])
+def test_gguf_logits_match_hf(ggufs, name):
+    """float32 logits of the GGUF file within 1e-4 of those of the HF safetensors of the same
+    weights (jaxspec's reading of them, and HF's), in one pass and by chunks of the KV cache."""
+    path, hf = ggufs[name]
+    loaded = load_float32(path)
+    assert loaded.source_kind == "gguf" and loaded.cfg.model_type == "qwen3_moe"
+    assert loaded.model.layers[1].mlp.experts.gate_up_proj[...].shape == (8, 64, 64)
+    ids = np.random.default_rng(4).integers(0, V, size=(2, 12))
+    ref = hf_logits(hf, ids)
+    got = jax_logits(loaded.model, ids)
+    np.testing.assert_allclose(got, ref, atol=TOL, rtol=0)
+    np.testing.assert_allclose(jax_logits(loaded.model, ids, chunk=5), ref, atol=TOL, rtol=0)
+    if name == "sparse":
+        np.testing.assert_allclose(got, jax_logits(load_float32(ggufs["sparse_dir"][0]).model, ids), atol=TOL, rtol=0)
+
+
+def test_gguf_greedy_matches_hf_generate(ggufs):
+    """The engine over the F32 file (on the CPU: --quantization gguf by default, its experts read as
+    float32) decodes HF's greedy tokens."""
+    from transformers import GenerationConfig
+
+    path, hf = ggufs["sparse"]
+    eng = path_engine(path)
+    gc = GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        ref = [hf.generate(torch.tensor([p]), generation_config=gc)[0, len(p) :].tolist() for p in PROMPTS]
+    assert outputs(eng) == ref
+
+
+def test_gguf_blocks_keep_attention_and_read_experts_float(ggufs, caplog):
+    """A Q8_0 qwen3moe file under --quantization gguf: attention matrices stay blocks, routers and
+    experts are float32 (a warning says so), the logits follow the float reading of the same file,
+    and the engine decodes with it."""
+    from jaxspec import native
+
+    if jax.default_backend() != "cpu" or native.gguf_unavailable() is not None:
+        pytest.skip("the GGUF kernel runs on XLA:CPU")
+    from jaxspec.config import ModelConfig
+    from jaxspec.convert.sources import open_source
+    from jaxspec.models.params import load_gguf_blocks
+
+    path = ggufs["q8"][0]
+    src = open_source(path)
+    assert src.types["model.layers.0.mlp.experts.3.gate_proj.weight"] == "Q8_0"
+    with caplog.at_level("WARNING", logger="jaxspec"):
+        blocks = load_gguf_blocks(ModelConfig.from_hf(src.config), src, progress=False)
+    assert "read as float32" in caplog.text
+    layer = blocks.layers[0]
+    assert layer.self_attn.q_proj.gguf == "Q8_0x8" and layer.self_attn.q_norm.weight[...].dtype == jnp.float32
+    assert layer.mlp.experts.gate_up_proj[...].dtype == jnp.float32 and layer.mlp.gate.weight[...].shape == (8, 64)
+    ids = np.random.default_rng(5).integers(0, V, size=(2, 12))
+    float_model = load_float32(path).model
+    ref = jax_logits(float_model, ids)
+    # the kernel's int8 activations move the router's inputs a little, which flips a near tie of its
+    # top k now and then (one position in 8 here): most positions, not all, stay within 5%
+    close = np.abs(jax_logits(blocks, ids) - ref).max(-1) <= 0.05 * np.abs(ref).max()
+    assert close.mean() >= 0.75, close
+    # the experts of both readings are the same dequantized stacks
+    np.testing.assert_array_equal(
+        np.asarray(layer.mlp.experts.down_proj[...]), np.asarray(float_model.layers[0].mlp.experts.down_proj[...])
+    )
+    eng = path_engine(path, quantization="gguf")
+    assert [len(o) for o in outputs(eng)] == [16, 16]
+
+
+def test_gguf_unreadable_experts_are_refused(ggufs, tmp_path):
+    """Expert stacks of a type the gguf package cannot dequantize (Q8_1), of a type the gguf mode's
+    kernel does not multiply (Q5_0: read as float32 without --quantization gguf), or of a shape that
+    disagrees with expert_count, are JaxspecErrors that say so."""
+    from jaxspec.convert.sources import open_source
+    from jaxspec.loader import load
+
+    hf = ggufs["sparse"][1]
+    q81 = write_gguf(hf, str(tmp_path / "q81.gguf"), {**FLOATS, "ffn_down_exps": "Q8_1"})
+    with pytest.raises(JaxspecError, match=r"GGUF type Q8_1 cannot be read \(e\.g\. blk\.0\.ffn_down_exps"):
+        open_source(q81)
+    q50 = write_gguf(hf, str(tmp_path / "q50.gguf"), {**FLOATS, "ffn_up_exps": "Q5_0"})
+    assert load_float32(q50).cfg.num_experts == 8  # read as float32
+    with pytest.raises(JaxspecError, match="type Q5_0"):
+        load(q50, "float32", progress=False, with_tokenizer=False, quantization="gguf")
+    hf.config.num_experts = 4  # the metadata says 4 experts, the stacks hold 8
+    try:
+        bad = write_gguf(hf, str(tmp_path / "count.gguf"), FLOATS)
+    finally:
+        hf.config.num_experts = 8
+    with pytest.raises(JaxspecError, match=r"ffn_\w+_exps\.weight has shape \[8, .*\[4 experts"):
+        open_source(bad)

@@ -222,6 +222,31 @@ def test_argmax_as_a_gpu_builds_it_equals_the_cpus():
     assert gpu.tolist() == [7, 0, 9, 0, int(np.argmax(x[4]))]
 
 
+@pytest.mark.parametrize("v", [100, 16384, 49152, 50001, 128256])
+def test_blocked_row_reductions_as_a_gpu_builds_them(v):
+    """max_argmax / row_sum as a GPU builds them (rows longer than 16,384 reduced in blocks, then
+    combined) against jnp: ties across blocks (the first wins), -inf rows, NaN (the first wins), a
+    maximum in the last, padded block."""
+    from jaxspec.compile_target import compiling_for
+    from jaxspec.sampling import max_argmax
+    from jaxspec.speculative.short_axis import row_sum
+
+    rng = np.random.default_rng(v)
+    x = rng.standard_normal((6, v)).astype(np.float32)
+    x[0, [3, v // 2, v - 1]] = 50.0
+    x[1, :] = -np.inf
+    x[2, [v // 3, v - 2]] = np.nan
+    x[3, -1] = 60.0
+    x[4, :] = 1.0
+    with compiling_for("gpu"):
+        top, idx = jax.jit(max_argmax)(jnp.asarray(x))
+        total = jax.jit(row_sum)(jnp.asarray(np.abs(np.nan_to_num(x, nan=0.0, neginf=0.0))))
+    want = np.asarray(jnp.argmax(jnp.asarray(x), -1))
+    np.testing.assert_array_equal(np.asarray(idx), want)
+    np.testing.assert_array_equal(np.asarray(top), x[np.arange(6), want])
+    np.testing.assert_allclose(np.asarray(total), np.abs(np.nan_to_num(x, nan=0.0, neginf=0.0)).sum(-1), rtol=1e-5)
+
+
 def test_gumbel_draw_follows_the_weights():
     """draw_keyed as a GPU builds it (Gumbel-max over the vocabulary): chi-square against w / sum(w)
     with a power check, zero weights never drawn, and a row of w with nothing left drawn from its

@@ -11,7 +11,7 @@ import pytest
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import JaxspecError
-from jaxspec.speculative.tree import Candidates, build_tree, rerank
+from jaxspec.speculative.tree import Candidates, build_tree, normalised, rerank, target_index
 from jaxspec.speculative.verify import greedy_verify, sample_accept
 
 from helpers import resolve_spec
@@ -225,7 +225,7 @@ def test_sampled_draft_accept_matches_python(ts, ta):
             spine=jnp.asarray(spine)[None],
             qx=jnp.asarray(qx)[None],
             qd=jnp.asarray(qd)[None],
-            q_ids=jnp.asarray(q_ids),
+            q_index=target_index(jnp.asarray(q_ids), v),
         )
         num, path, resid, p_last = sample_accept(
             tree, jnp.asarray(probs)[None], jnp.asarray(coins)[None], steps, jnp.asarray([ts]), jnp.asarray([ta])
@@ -250,7 +250,7 @@ def test_sampled_drafts_follow_the_target(platform):
 def _sampled_drafts_follow_the_target():
     from scipy.stats import chisquare
 
-    from jaxspec.sampling import SamplingParams, SamplingTensors
+    from jaxspec.sampling import SamplingParams, SamplingTensors, noise
     from jaxspec.speculative.loop import draw_drafts
     from jaxspec.speculative.verify import sample_verify
 
@@ -260,16 +260,15 @@ def _sampled_drafts_follow_the_target():
     d0, d1 = rng.dirichlet(np.ones(v)), rng.dirichlet(np.ones(v), size=v)  # draft probabilities
     st = SamplingTensors.build([SamplingParams(temperature=temp)] * b, list(range(b)))
     keys = st.keys
-    x1, q0, _ = draw_drafts(jnp.broadcast_to(jnp.asarray(d0, jnp.float32), (b, v)), st.temperature, keys)
-    x2, q1, _ = draw_drafts(
-        jnp.asarray(d1, jnp.float32)[x1], st.temperature, jax.vmap(jax.random.fold_in, (0, None))(keys, 1)
-    )
+    x1, q0, _ = draw_drafts(jnp.broadcast_to(jnp.asarray(d0, jnp.float32), (b, v)), st.temperature, noise(keys, v))
+    keys1 = jax.vmap(jax.random.fold_in, (0, None))(keys, 1)
+    x2, q1, _ = draw_drafts(jnp.asarray(d1, jnp.float32)[x1], st.temperature, noise(keys1, v))
     toks = jnp.stack([jnp.zeros_like(x1), x1, x2], 1)
     tree = build_tree(toks, jnp.broadcast_to(jnp.asarray([0, 0, 1], jnp.int32), (b, 3)), 2)
-    qd = jnp.stack([q0, q1], 1)  # [B, D, V]
+    qd = normalised(jnp.stack([q0, q1], 1))  # [B, D, V] (draw_drafts' weights, normalised as grow does)
     qx = jnp.concatenate([jnp.ones((b, 1)), jnp.take_along_axis(qd, toks[:, 1:, None], 2)[:, :, 0]], 1)
     spine = jnp.broadcast_to(jnp.asarray([False, True, True]), (b, 3))
-    tree = dataclasses.replace(tree, spine=spine, qx=qx, qd=qd, q_ids=jnp.arange(v, dtype=jnp.int32))
+    tree = dataclasses.replace(tree, spine=spine, qx=qx, qd=qd, q_index=jnp.arange(v, dtype=jnp.int32))
     logits = jnp.stack(
         [
             jnp.broadcast_to(jnp.asarray(l0, jnp.float32), (b, v)),
@@ -281,7 +280,7 @@ def _sampled_drafts_follow_the_target():
     p0 = np.exp(l0 / temp) / np.exp(l0 / temp).sum()
     p1 = np.exp(l1 / temp) / np.exp(l1 / temp).sum(1, keepdims=True)
     exact = p0[:, None] * p1
-    q0_np = np.asarray(q0[0])
+    q0_np = np.asarray(qd[0, 0])
     for ta, want_pass in [(1.0, True), (0.8, False)]:
         vkeys = jax.vmap(jax.random.fold_in, (0, None))(keys, 7)
         acc = sample_verify(tree, logits, st, vkeys, 2, jnp.ones((b,)), jnp.full((b,), ta))

@@ -49,7 +49,7 @@ def test_merge_carries_the_spine():
         spine=jnp.asarray([[False, True, False]]),
         qx=jnp.asarray([[1.0, 0.5, 1.0]]),
         qd=jnp.ones((1, 4, 5)),
-        q_ids=jnp.arange(5),
+        q_index=jnp.arange(12),
     )
     merged = merge_trees(draft, tree([9, 3, 5], [0, 0, 1]), 4)
     assert np.asarray(merged.spine)[0].tolist() == [False, True, False, False, False]

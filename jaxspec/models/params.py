@@ -17,6 +17,7 @@ names, so that the rest of loading sees one tensor per layer. The router is
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterable
 
@@ -124,16 +125,24 @@ def load_gguf_blocks(cfg: ModelConfig, src, progress: bool = True, desc: str = "
     bytes] with `gguf` set to its type, and a block-quantized token embedding stays so (embed_kind);
     with out a multiple of 8, in the kernel's interleaved layout (type + "x8", the same bytes).
     F32 / F16 tensors are read as float32. Nothing passes through a float32 copy of the blocks.
-    The caller checked the types (loader.check_gguf)."""
+    Mixture-of-experts routers [E, H] and experts (stacked [E, H, 2I] and [E, I, H]; no Linear) are
+    dequantized to float32 whatever their type (a warning says so). The caller checked the types
+    (loader.check_gguf)."""
     abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, jnp.float32, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    names, leaves, kinds, missing = set(src.names), [], {}, []
+    src_names, get = stack_experts(cfg, src.names, src.get)
+    names, leaves, kinds, missing = set(src_names), [], {}, []
+    if cfg.sparse_layers:
+        logging.getLogger("jaxspec").warning(
+            "gguf: the mixture-of-experts layers' routers and experts are read as float32 (only attention, "
+            "dense MLP and embedding matrices keep their GGUF blocks)"
+        )
     for path, var in tqdm(list(nnx.to_flat_state(state)), desc=desc, unit="tensor", disable=not progress, leave=False):
         key, transpose = hf_key(path)
         if key not in names:
             missing.append(key)
             continue
-        kind = src.types[key]
+        kind = src.types.get(key)  # None: experts stacked from several GGUF tensors (read as float32)
         if kind in gguf.KINDS and (path[-1] == "kernel" or path == ("embed_tokens",)):
             kinds[path[:-1] if path[-1] == "kernel" else path] = kind
             rows, inner = (var.shape[1], var.shape[0]) if path[-1] == "kernel" else var.shape
@@ -145,8 +154,8 @@ def load_gguf_blocks(cfg: ModelConfig, src, progress: bool = True, desc: str = "
                 kinds[path[:-1] if path[-1] == "kernel" else path] = kind + "x8"
             leaves.append((path, var.replace(jnp.asarray(np.array(raw)))))  # copies: see below
             continue
-        arr = src.get(key)
-        arr = arr.T if transpose else arr
+        arr = get(key)
+        arr = np.swapaxes(arr, -1, -2) if transpose else arr
         if tuple(arr.shape) != tuple(var.shape):
             raise JaxspecError(
                 f"checkpoint does not match its config: {key} is {tuple(arr.shape)}, not {tuple(var.shape)}"

@@ -30,7 +30,7 @@ from jaxspec.config import SpecConfig
 from jaxspec.decode import LENGTH, RUNNING, STOPPED, target_prefill
 from jaxspec.grammar import Emitted, allowed, mask_logits
 from jaxspec.logprobs import TokenLogprobs, compute
-from jaxspec.sampling import GREEDY_EPS, SamplingTensors, argmax, draw_keyed, sample
+from jaxspec.sampling import GREEDY_EPS, SamplingTensors, argmax, draw_noised, noise, sample
 from jaxspec.speculative import tree as tree_lib
 from jaxspec.speculative.proposers.base import DraftState, Proposer
 from jaxspec.speculative.proposers.suffix import TextMatchProposer, merge_trees
@@ -137,12 +137,68 @@ def emit(state: SpecState, new, n_new, max_new_tokens, stop_ids, logits=None, st
     )
 
 
-def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState, st=None, sampled: bool | str = False):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RoundConstants:
+    """What every round of a loop reads unchanged, made once before the loop (work in a loop's
+    body runs every round; XLA does not hoist all of it): the acceptance thresholds [B], the rows'
+    key stream for rounds [B] (round_keys) and, with sampled drafts, each target id's
+    draft-vocabulary index [V] (tree.Tree.q_index)."""
+
+    thr_single: jax.Array
+    thr_acc: jax.Array
+    stream: jax.Array
+    q_index: jax.Array | None = None
+
+
+def round_constants(
+    tgt, prop: Proposer, dparams, spec: SpecConfig, st: SamplingTensors, sampled: bool | str
+) -> RoundConstants:
+    """The RoundConstants of st's rows under the tree shape `spec`."""
+    b = st.temperature.shape[0]
+    q_index = None
+    if draws_drafts(prop, spec, sampled):
+        ids = prop.to_target(dparams, jnp.arange(prop.draft_vocab, dtype=jnp.int32)).astype(jnp.int32)
+        q_index = tree_lib.target_index(ids, tgt.cfg.vocab_size)
+    return RoundConstants(
+        jnp.full((b,), spec.accept_threshold_single, jnp.float32),
+        jnp.full((b,), spec.accept_threshold_acc, jnp.float32),
+        jax.vmap(jax.random.fold_in)(st.keys, jnp.ones((b,), jnp.uint32)),
+        q_index,
+    )
+
+
+KEY_STRIDE = 64  # round_keys' data per round: a round takes at most this many keys
+
+
+def round_keys(consts: RoundConstants, state: SpecState, n: int):
+    """[n, B] typed PRNG keys for one round of every row, made at once (one kernel on a GPU,
+    where a chain of derivations per use took several): row j < num_steps for the draft's draw at
+    depth j + 1, then the verification's coins and its bonus (verify.sample_verify). Key j of
+    round r is the row's round stream (RoundConstants) folded with r * KEY_STRIDE + j: distinct
+    over every round and tree shape of a request."""
+    assert n <= KEY_STRIDE, n
+    data = state.verify_ct.astype(jnp.uint32)[None, :] * KEY_STRIDE + jnp.arange(n, dtype=jnp.uint32)[:, None]
+    return jax.vmap(jax.vmap(jax.random.fold_in), (None, 0))(consts.stream, data)
+
+
+def draft_tree(
+    prop: Proposer,
+    dparams,
+    tgt,
+    spec: SpecConfig,
+    state: SpecState,
+    st=None,
+    sampled: bool | str = False,
+    keys=None,
+    q_index=None,
+):
     """The round's tree. st: the sampling tensors (its grammar, None: unconstrained: the draft
-    then proposes only tokens each node's grammar state allows; its temperatures and keys, for
-    sampled drafts). sampled (static): whether any row samples; with spec.draft_sampling the
-    sampling rows then draw one path of drafts (the spine, tree.py) from the draft distribution at
-    the row's temperature (verify.py accepts those by min(1, p / q))."""
+    then proposes only tokens each node's grammar state allows; its temperatures, for sampled
+    drafts). sampled (static): whether any row samples; with spec.draft_sampling the sampling rows
+    then draw one path of drafts (the spine, tree.py) from the draft distribution at the row's
+    temperature (verify.py accepts those by min(1, p / q)), with keys [>= num_steps, B]
+    (round_keys: row j for depth j + 1) and q_index (RoundConstants; made here when None)."""
     if prop.builds_tree:
         return prop.propose_tree(dparams, state.draft, state.last, spec), state.draft
     d = {"state": state.draft}
@@ -163,14 +219,9 @@ def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState,
         mask_fn = lambda paths, plen: allowed(grammar, state, paths, plen, vocab, ids, invalid_allows=False)
     draw = None
     if sample_drafts:
-        assert st is not None
-        keys = jax.vmap(jax.random.fold_in)(
-            jax.vmap(jax.random.fold_in)(st.keys, jnp.full_like(state.verify_ct, 3)), state.verify_ct
-        )
-        # every step's keys at once (one kernel, not a key derivation per step)
-        fold = lambda j: jax.vmap(jax.random.fold_in, (0, None))(keys, j)
-        step_keys = jax.vmap(fold)(jnp.arange(spec.num_steps, dtype=jnp.uint32))  # [num_steps, B]
-        draw = lambda probs, j, top: draw_drafts(probs, st.temperature, step_keys[j], top)
+        assert st is not None and keys is not None
+        # each depth's random numbers made where they are used: a GPU fuses them into the draw
+        draw = lambda probs, j, top: draw_drafts(probs, st.temperature, noise(keys[j], prop.draft_vocab), top)
     cand = tree_lib.grow(
         state.draft.root_probs,
         root_hidden,
@@ -182,8 +233,9 @@ def draft_tree(prop: Proposer, dparams, tgt, spec: SpecConfig, state: SpecState,
         mask_fn,
         draw,
     )
-    q_ids = ids if draw is not None else None
-    tree = tree_lib.rerank(state.last, cand, spec.num_draft_tokens, spec.num_steps, q_ids)
+    if draw is not None and q_index is None:
+        q_index = tree_lib.target_index(ids, tgt.cfg.vocab_size)
+    tree = tree_lib.rerank(state.last, cand, spec.num_draft_tokens, spec.num_steps, q_index if draw else None)
     if spec.suffix is not None:  # text-match candidates in the same tree (proposers/suffix.py)
         assert isinstance(prop, TextMatchProposer)
         tree = merge_trees(tree, prop.text_tree(dparams, d["state"], state.last, spec), spec.depth)
@@ -195,26 +247,26 @@ def draws_drafts(prop: Proposer, spec: SpecConfig, sampled: bool | str) -> bool:
     return bool(sampled) and spec.draft_sampling and not prop.builds_tree
 
 
-def draw_drafts(probs, temperature, keys, top=None):
-    """probs [B, Vd] draft distributions, temperature [B], keys [B] typed PRNG keys -> (ids [B],
-    q [B, Vd], rows [B]): q = probs sharpened to the row's temperature (probs^(1/T), renormalised),
-    ids drawn from it (sampling.draw_keyed); rows: the rows that sample (temperature > 0; the others
-    take probs' argmax and q is unused). top: (probs' largest entry [B], its index [B]) where the
-    caller has them (a top-k's first), saving two reductions over the vocabulary."""
+def draw_drafts(probs, temperature, rand, top=None):
+    """probs [B, Vd] draft distributions, temperature [B], rand: sampling.noise for the rows ->
+    (ids [B], w [B, Vd], rows [B]): w = q unnormalised (tree.normalised makes q), q = probs
+    sharpened to the row's temperature (probs^(1/T), renormalised), ids drawn from it; rows: the
+    rows that sample (temperature > 0; the others take probs' argmax and q is unused). top: (probs'
+    largest entry [B], its index [B]) where the caller has them (a top-k's first), saving two
+    reductions over the vocabulary. No sum here: a GPU normalises every depth's w in one kernel."""
     if top is None:
         top = (jnp.max(probs, -1), argmax(probs))
     p_max, greedy = top
     t = jnp.maximum(temperature, GREEDY_EPS)[:, None]
-    logq = jnp.log(probs.astype(jnp.float32)) / t
-    # softmax(logq), its max known: log(p_max) / T
-    e = jnp.exp(logq - jnp.log(p_max.astype(jnp.float32))[:, None] / t)
+    # probs^(1/T) / p_max^(1/T): the largest entry 1, nothing overflows or vanishes with T
+    e = jnp.exp((jnp.log(probs.astype(jnp.float32)) - jnp.log(p_max.astype(jnp.float32))[:, None]) / t)
     # no token left (a grammar allows none of the draft's vocabulary): the token is a certain pick,
     # like a forced one (q = its one-hot), not the NaN of a softmax over nothing
-    some = (p_max > 0)[:, None]
-    q = jnp.where(some, e / jnp.sum(e, -1, keepdims=True), jax.nn.one_hot(greedy, probs.shape[-1], dtype=jnp.float32))
+    some = p_max > 0
+    w = jnp.where(some[:, None], e, jax.nn.one_hot(greedy, probs.shape[-1], dtype=jnp.float32))
     rows = temperature > GREEDY_EPS
-    ids = jnp.where(rows, draw_keyed(q, keys), greedy)
-    return ids, q, rows
+    ids = jnp.where(rows & some, draw_noised(w, rand), greedy)
+    return ids, w, rows
 
 
 def spec_round(
@@ -226,18 +278,19 @@ def spec_round(
     st,
     max_new_tokens,
     stop_ids,
-    thr,
+    consts: RoundConstants,
     backend,
     plain=None,
     sampled: bool | str = True,
 ):
-    """One round. plain: [B] bool or None (server): those slots accept no draft and take the
+    """One round. consts: round_constants(...), made before the loop. plain: [B] bool or None (server): those slots accept no draft and take the
     target's own sample at the root (with penalties), i.e. plain decoding inside the round.
     sampled (static): False when every slot is greedy (no sampler in the program). Every slot runs
     the same program; its only data-dependent branches are the sampler's skips of work no slot
     needs, on CPU only (jaxspec/sampling.py SKIP_UNUSED): GPU rounds are straight-line."""
     steps = spec.depth
-    tree, dstate = draft_tree(prop, dparams, tgt, spec, state, st, sampled)
+    keys = round_keys(consts, state, spec.num_steps + 2)  # [num_steps + 2, B] (none made where unused)
+    tree, dstate = draft_tree(prop, dparams, tgt, spec, state, st, sampled, keys, consts.q_index)
     cache = state.cache
     pos = cache.lengths[:, None] + tree.depth
     h, cache, cap = tgt(
@@ -248,18 +301,15 @@ def spec_round(
         capture_layers=prop.capture_layers,
         backend=with_mode(backend, spec.attention_mode),
     )
-    keys = jax.vmap(jax.random.fold_in)(
-        jax.vmap(jax.random.fold_in)(st.keys, jnp.ones_like(state.verify_ct)), state.verify_ct
-    )
     logits = tgt.logits(h)  # [B, N, V]
     if st.grammar is not None:  # each node's logits masked by the grammar state along its path
         logits = mask_logits(logits.astype(jnp.float32), st.grammar, state, *tree_lib.node_paths(tree, steps))
     if spec.ngram is not None and spec.ngram.force_greedy_verify:  # SGLANG_NGRAM_FORCE_GREEDY_VERIFY
         acc = greedy_verify(tree, logits, steps)
     else:
-        acc = verify(tree, logits, st, keys, steps, thr[0], thr[1], sampled)
+        acc = verify(tree, logits, st, keys[-2:], steps, consts.thr_single, consts.thr_acc, sampled)
     if plain is not None:
-        acc = _plain_slots(tgt, h, acc, plain, st, state, keys, sampled)
+        acc = _plain_slots(tgt, h, acc, plain, st, state, keys[-1], sampled)
     active = ~state.done
     n_new = acc.num + 1
     cache = cache.commit_path(acc.path, backend)
@@ -445,16 +495,12 @@ def run_block(
     tgt, prop, dparams, backend = models.target(), models.draft, models.dparams, models.backend
     if spec is None:
         return plain_steps(tgt, prop, dparams, state, st, max_new_tokens, stop_ids, rounds, backend, sampled)
-    b = state.last.shape[0]
-    thr = (
-        jnp.full((b,), spec.accept_threshold_single, jnp.float32),
-        jnp.full((b,), spec.accept_threshold_acc, jnp.float32),
-    )
+    consts = round_constants(tgt, prop, dparams, spec, st, sampled)
     _, state = jax.lax.while_loop(
         lambda c: ((c[0] < rounds) | (rounds == 0)) & ~jnp.all(c[1].done),
         lambda c: (
             c[0] + 1,
-            spec_round(tgt, prop, dparams, spec, c[1], st, max_new_tokens, stop_ids, thr, backend, sampled=sampled),
+            spec_round(tgt, prop, dparams, spec, c[1], st, max_new_tokens, stop_ids, consts, backend, sampled=sampled),
         ),
         (jnp.int32(0), state),
     )

@@ -43,7 +43,7 @@ class Tree:
     spine: jax.Array | None = None  # [B, N] bool: the node's token was drawn from the draft distribution
     qx: jax.Array | None = None  # [B, N] float32 q(token) of spine nodes (1 elsewhere)
     qd: jax.Array | None = None  # [B, D, Vd] float32 q the spine node at depth d + 1 was drawn from
-    q_ids: jax.Array | None = None  # [Vd] int32 target id of each draft-vocabulary entry
+    q_index: jax.Array | None = None  # [V] int32 each target id's draft-vocabulary index, -1 if none
 
 
 @jax.tree_util.register_dataclass
@@ -80,8 +80,8 @@ def grow(
         there or -1 (constrained decoding). Each distribution is masked and renormalised; a forced
         token becomes the first child with probability 1 (also when the draft vocabulary lacks
         it), the others get 0. Siblings stay distinct tokens, which lossless verification needs.
-    draw(probs [B, Vd], j, (max [B], argmax [B]) of probs) -> (ids [B], q [B, Vd], rows [B] bool):
-        sampled drafts. In the rows that sample, the first child of the spine (the root, then each
+    draw(probs [B, Vd], j, (max [B], argmax [B]) of probs) -> (ids [B], w [B, Vd], rows [B] bool):
+        sampled drafts, q = w / sum(w) (normalised here for every step at once). In the rows that sample, the first child of the spine (the root, then each
         spine child) is ids, drawn from q at draft step j, and its siblings are the k - 1 most
         likely other tokens; the spine child is always a beam (slot 0) and always kept by rerank,
         so that whether it is in the tree never depends on its value. A forced token is a spine child with q(child) =
@@ -89,9 +89,9 @@ def grow(
     """
     b = root_probs.shape[0]
     k = topk
-    qx_l: list = []
     spine_l: list = []
-    qd_l: list = []
+    drawn_l: list = []  # per step: (the drawn id [B], the candidates drawn [B, M_j])
+    w_l: list = []  # per step: q unnormalised [B, Vd]
 
     def children(probs, paths, plen, j):  # probs [B, P, Vd] -> top-k (probabilities, target tokens)
         forced = None
@@ -103,7 +103,7 @@ def grow(
         first = jnp.arange(k) == 0
         spine = None
         if draw is not None:  # beam 0 of a sampling row is the spine: its first child is drawn
-            d_ids, q, rows = draw(probs[:, 0], j, (p[:, 0, 0], ids[:, 0, 0]))  # [B], [B, Vd], [B]
+            d_ids, w, rows = draw(probs[:, 0], j, (p[:, 0, 0], ids[:, 0, 0]))  # [B], [B, Vd], [B]
             if k > 1:  # then beam 0's top k without the drawn token (its position m, or k if absent)
                 top = ids[:, 0]  # [B, k]
                 m = first_true(jnp.concatenate([top == d_ids[:, None], jnp.ones((b, 1), bool)], -1))
@@ -116,7 +116,6 @@ def grow(
             ids = jnp.where(is_s, s_ids[:, None], ids)
             p = jnp.where(is_s, s_p[:, None], p)
             spine = is_s & first
-            qx = jnp.where(spine, jnp.take_along_axis(q, d_ids[:, None], -1)[:, :, None], 1.0)  # [B, P, k]
         tok = to_target(ids).astype(jnp.int32)
         if forced is not None:  # forced first; a sibling that already held it takes the old first
             is_f, f = forced[..., None] >= 0, forced[..., None]
@@ -124,12 +123,13 @@ def grow(
             tok = jnp.where(is_f, moved, tok)
             p = jnp.where(is_f, first.astype(p.dtype), p)
             if draw is not None:
-                qx = jnp.where(spine & is_f, 1.0, qx)
-                q = jnp.where(spine[:, 0, :1] & is_f[:, 0], 0.0, q)
+                w = jnp.where(spine[:, 0, :1] & is_f[:, 0], 0.0, w)
         if draw is not None:
-            qx_l.append(qx.reshape(b, -1))
             spine_l.append(spine.reshape(b, -1))
-            qd_l.append(q)
+            # q(child) of a drawn spine child; a forced one's is 1 (its draw was certain), as elsewhere
+            drawn = spine if forced is None else spine & ~is_f
+            drawn_l.append((d_ids, drawn.reshape(b, -1)))
+            w_l.append(w)
         return p, tok
 
     r = int(root_in_region)
@@ -172,21 +172,23 @@ def grow(
         new_col = r + j * k + jnp.arange(k)[None, :, None]
         beam_anc = jnp.take_along_axis(beam_anc, parent_slot[:, :, None], axis=1) | (col == new_col)
         n_cand += k * k
-    sampled = draw is not None
-    return Candidates(
-        jnp.concatenate(toks, 1),
-        jnp.concatenate(scores, 1),
-        jnp.concatenate(parents, 1),
-        jnp.concatenate(qx_l, 1) if sampled else None,
-        jnp.concatenate(spine_l, 1) if sampled else None,
-        jnp.stack(qd_l, 1) if sampled else None,
-    )
+    cand = Candidates(jnp.concatenate(toks, 1), jnp.concatenate(scores, 1), jnp.concatenate(parents, 1))
+    if draw is None:
+        return cand
+    qd = normalised(jnp.stack(w_l, 1))  # [B, D, Vd] every step's q at once
+    qx = [jnp.where(at, jnp.take_along_axis(qd[:, j], d_ids[:, None], 1), 1.0) for j, (d_ids, at) in enumerate(drawn_l)]
+    return dataclasses.replace(cand, qx=jnp.concatenate(qx, 1), spine=jnp.concatenate(spine_l, 1), qd=qd)
 
 
-def rerank(root_tokens, cand: Candidates, num_draft_tokens: int, num_steps: int, q_ids=None) -> Tree:
+def normalised(w):
+    """w [..., V] >= 0 -> w / sum(w) over V (0 where a row has nothing)."""
+    return w / jnp.maximum(jnp.sum(w, -1, keepdims=True), 1e-30)
+
+
+def rerank(root_tokens, cand: Candidates, num_draft_tokens: int, num_steps: int, q_index=None) -> Tree:
     """Keeps the best N - 1 candidates (ties go to the earlier one, so parents beat children); with
-    sampled drafts the spine first, shallowest first. q_ids [Vd]: the draft vocabulary's target
-    ids, kept in the tree with sampled drafts."""
+    sampled drafts the spine first, shallowest first. q_index [V]: target_index's map, kept in the
+    tree with sampled drafts."""
     b = root_tokens.shape[0]
     n = num_draft_tokens
     key = cand.scores
@@ -207,7 +209,15 @@ def rerank(root_tokens, cand: Candidates, num_draft_tokens: int, num_steps: int,
         return tree
     qx = jnp.concatenate([jnp.ones((b, 1), jnp.float32), jnp.take_along_axis(cand.qx, sel, 1)], 1)
     spine = jnp.concatenate([jnp.zeros((b, 1), bool), jnp.take_along_axis(cand.spine, sel, 1)], 1)
-    return dataclasses.replace(tree, qx=qx, spine=spine, qd=cand.qd, q_ids=q_ids)
+    return dataclasses.replace(tree, qx=qx, spine=spine, qd=cand.qd, q_index=q_index)
+
+
+def target_index(q_ids, vocab_size: int):
+    """q_ids [Vd] the draft vocabulary's target ids -> [V] int32: each target id's draft index,
+    -1 where the draft vocabulary lacks it (verification reads q on the target vocabulary through
+    it: a gather that fuses into its use, where scattering q there costs kernels of its own)."""
+    vd = q_ids.shape[0]
+    return jnp.full((vocab_size,), -1, jnp.int32).at[q_ids].set(jnp.arange(vd, dtype=jnp.int32))
 
 
 def _topk_of(m: int, num_steps: int) -> int:

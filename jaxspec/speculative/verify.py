@@ -32,10 +32,11 @@ from jaxspec.sampling import (
     argmax,
     draw_keyed,
     draws,
+    max_argmax,
     skips_unused,
     target_probs,
 )
-from jaxspec.speculative.short_axis import any_of, first_true, running_sum
+from jaxspec.speculative.short_axis import any_of, first_true, row_sum, running_sum
 from jaxspec.speculative.tree import Tree
 
 
@@ -112,19 +113,20 @@ def sample_accept(tree: Tree, probs, coins, num_steps: int, thr_single, thr_acc,
     has = jnp.zeros((b, n), bool)  # [B, N] the node has a spine child
     sidx = jnp.zeros((b, n), jnp.int32)  # [B, N] its index
     if spine is not None:
-        assert tree.qd is not None and tree.qx is not None and tree.q_ids is not None
+        assert tree.qd is not None and tree.qx is not None and tree.q_index is not None
         sp = kids & spine[:, None, :]
         has, sidx = any_of(sp), first_true(sp)
         # the draft distribution each node's spine child was drawn from (its depth is the node's
         # + 1), on the target vocabulary; a forced spine child (q all 0, q(x) 1) was certain
         depths = tree.qd.shape[1]
-        q_t = jnp.zeros((b, depths, v), jnp.float32).at[:, :, tree.q_ids].set(tree.qd)
-        q = jnp.take_along_axis(q_t, jnp.minimum(tree.depth, depths - 1)[:, :, None], 1)  # [B, N, V]
+        q_d = jnp.take_along_axis(tree.qd, jnp.minimum(tree.depth, depths - 1)[:, :, None], 1)  # [B, N, Vd]
+        qi = tree.q_index
+        q = jnp.where(qi >= 0, jnp.take(q_d, jnp.maximum(qi, 0), axis=2), 0.0)  # [B, N, V] on the target vocabulary
         tok = jnp.take_along_axis(tree.tokens, sidx, 1)  # [B, N]
         qx = jnp.take_along_axis(tree.qx, sidx, 1)
         q = jnp.maximum(q, jnp.where(jnp.arange(v) == tok[:, :, None], qx[:, :, None], 0.0))
         res = jnp.maximum(probs - q, 0.0)
-        total = res.sum(-1, keepdims=True)
+        total = row_sum(res, keepdims=True)
         r = jnp.where(has[:, :, None] & (total > 0), res / jnp.maximum(total, 1e-30), probs)
     at_tokens = lambda d: jnp.take_along_axis(d, jnp.broadcast_to(tree.tokens[:, None, :], (b, n, n)), 2)
     r_kids = at_tokens(r)  # [B, parent, child] each node's token in its parent's r
@@ -171,25 +173,26 @@ def sample_verify(
     """Lossless tree sampling (the target-only rule, or sampled drafts' rule when the tree carries
     q) from the target distribution with the request's temperature / top-k / top-p / min-p. With
     both thresholds 1 the emitted tokens follow the target distribution exactly. key: typed PRNG
-    keys [B]. filtered (static): False when no row filters (temperature only). target: the
-    logits' argmax [B, N]; given, the greedy rows (temperature 0) are verified as greedy_verify
-    does, in the same walk."""
+    keys [B], or [2, B]: the coins' and the bonus's (made with others at once). filtered
+    (static): False when no row filters (temperature only). target: (the logits' largest [B, N],
+    their argmax [B, N]) (sampling.max_argmax); given, the greedy rows (temperature 0) are
+    verified as greedy_verify does, in the same walk."""
     b, n, _ = logits.shape
-    coin_key, bonus_key = jax.vmap(lambda k: tuple(jax.random.split(k)))(key)
+    coin_key, bonus_key = (key[0], key[1]) if key.ndim == 2 else jax.vmap(lambda k: tuple(jax.random.split(k)))(key)
     shape = (n,) if tree.spine is None else (n, 2)
     coins = jax.vmap(lambda k: jax.random.uniform(k, shape))(coin_key)
     # the target distribution at every node at once [B, N, V]: one sampler in the program instead of
     # one per step of the walk (as much work for a chain, whose walk visits every node)
     per_node = jax.tree.map(lambda a: jnp.repeat(a, n, axis=0), st)
     flat = logits.reshape(b * n, -1)
-    # the logits' largest from their argmax where the caller has it: a reduction fewer
-    top = None if target is None else jnp.take_along_axis(flat, target.reshape(-1, 1), 1)[:, 0]
+    # the logits' largest where the caller has it: a reduction fewer
+    top = None if target is None else target[0].reshape(-1)
     probs = target_probs(flat, per_node, filtered, top).reshape(b, n, -1)
-    greedy = None if target is None else (~draws(st), target)
+    greedy = None if target is None else (~draws(st), target[1])
     num, path, resid, p_last = sample_accept(tree, probs, coins, num_steps, thr_single, thr_acc, greedy)
     bonus = draw_keyed(resid, bonus_key, p_last)
     if greedy is not None:
-        bonus = jnp.where(greedy[0], jnp.take_along_axis(target, path[:, -1:], 1)[:, 0], bonus)
+        bonus = jnp.where(greedy[0], jnp.take_along_axis(greedy[1], path[:, -1:], 1)[:, 0], bonus)
     return Accepted(num, path, bonus)
 
 
@@ -200,11 +203,11 @@ def verify(
     when every row is greedy, so the program holds no sampler (no branch decides it at run time);
     TEMPERATURE_ONLY when no row filters."""
     logits = logits.astype(jnp.float32)
-    target = argmax(logits)  # [B, N]
     if not sampled:
-        return greedy_verify(tree, logits, num_steps, target)
+        return greedy_verify(tree, logits, num_steps, argmax(logits))
+    top, target = max_argmax(logits)  # [B, N] each
     filtered = sampled != TEMPERATURE_ONLY
-    mixed = lambda: sample_verify(tree, logits, st, key, num_steps, thr_single, thr_acc, filtered, target)
+    mixed = lambda: sample_verify(tree, logits, st, key, num_steps, thr_single, thr_acc, filtered, (top, target))
     if skips_unused():  # no row draws: the tree-sampling walk is skipped
         return jax.lax.cond(jnp.any(draws(st)), mixed, lambda: greedy_verify(tree, logits, num_steps, target))
     return mixed()

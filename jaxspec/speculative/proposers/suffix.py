@@ -132,4 +132,4 @@ def merge_trees(draft: Tree, match: Tree, depth: int) -> Tree:
         return tree
     spine = jnp.concatenate([draft.spine, jnp.zeros((b, m), bool)], 1)
     qx = jnp.concatenate([draft.qx, jnp.ones((b, m), draft.qx.dtype)], 1)
-    return dataclasses.replace(tree, spine=spine, qx=qx, qd=draft.qd, q_ids=draft.q_ids)
+    return dataclasses.replace(tree, spine=spine, qx=qx, qd=draft.qd, q_index=draft.q_index)
