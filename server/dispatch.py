@@ -36,7 +36,7 @@ def cost_kind(key: tuple, sampled: bool) -> bool:
 
 class Dispatch(SchedulerState):
     def _span(self, need: int) -> int:
-        """KV columns a program reads: the smallest compiled span >= need (server/programs.py spans)."""
+        """KV columns a program reads: the smallest compiled span >= need (server/program_shapes.py spans)."""
         return self.programs.span_for(need)
 
     def _dispatch(self, busy: dict[int, Request]) -> None:

@@ -75,7 +75,7 @@ class PrefillGroup:
 
     reqs: list[Request]
     chunk: int  # prompt tokens per chunk
-    keys: list[tuple]  # the compiled program of each chunk (server/programs.py)
+    keys: list[tuple]  # the compiled program of each chunk (server/program_shapes.py prefill_plan)
     prompt: np.ndarray  # [len(reqs), len(keys) * chunk] int32, zero-padded
     dprompt: np.ndarray  # the draft's prompt (shifted)
     start: int = 0  # the first chunk's position (positions before it are cached)

@@ -81,7 +81,7 @@ class SchedulerState:
             if self.spec and self.spec.adaptive
             else None
         )
-        # label -> tree shape of each dispatch kind (server/programs.py): the configured one first
+        # label -> tree shape of each dispatch kind (server/program_shapes.py): the configured one first
         cands = self.adaptive.candidates if self.adaptive else [self.spec]
         self.shapes: dict[str, SpecConfig | None] = {shape_label(c): c for c in cands}
         self.main_shape = shape_label(self.spec)

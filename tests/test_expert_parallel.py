@@ -59,29 +59,49 @@ def moe_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def seen(moe_dir) -> dict:
-    return child("checks", moe_dir)
+    """make test's checks (one child process): RUNS[:2] (one device, then tp = ep = 2), the
+    collectives, the errors."""
+    return child("checks", moe_dir, "quick")
 
 
-@pytest.mark.parametrize("run", RUNS[1:], ids=[f"{a}-tp{t}-ep{e}" for a, t, e, _ in RUNS[1:]])
-def test_greedy_tokens_equal_one_device(seen, run):
+@pytest.fixture(scope="module")
+def seen_full(moe_dir) -> dict:
+    """Every check: all of RUNS, the sharded block, the server's scheduler (the slow tests)."""
+    return child("checks", moe_dir, "full")
+
+
+@pytest.mark.parametrize(
+    "run",
+    [pytest.param(r, marks=() if r == RUNS[1] else pytest.mark.slow) for r in RUNS[1:]],
+    ids=[f"{a}-tp{t}-ep{e}" for a, t, e, _ in RUNS[1:]],
+)
+def test_greedy_tokens_equal_one_device(request, run):
     algo, tp, ep, _ = run
+    seen = request.getfixturevalue("seen" if run == RUNS[1] else "seen_full")
     assert seen["tokens"][f"{algo}/{tp}/{ep}"] == seen["tokens"]["NONE/1/1"]
 
 
-def test_speculation_accepts_drafts(seen):
+@pytest.mark.slow
+def test_speculation_accepts_drafts(seen_full):
+    seen = seen_full
+    assert seen["rounds"]
     for key, rounds in seen["rounds"].items():
         assert rounds < len(PROMPTS) * GREEDY["max_new_tokens"], key  # fewer rounds than tokens
 
 
-def test_experts_are_split(seen):
+@pytest.mark.parametrize("which", ["seen", pytest.param("seen_full", marks=pytest.mark.slow)])
+def test_experts_are_split(request, which):
     """gate_up_proj [E, H, 2I] = [8, 64, 64] and down_proj [E, I, H] = [8, 32, 64]: E split ep ways, and
     I split within a group when ep < tp; the router stays whole; attention is split tp ways as ever."""
+    seen = request.getfixturevalue(which)
     e, h, i = 8, 64, 32
     want = {
         "2/2": ([e // 2, h, 2 * i], [e // 2, i, h]),
         "4/4": ([e // 4, h, 2 * i], [e // 4, i, h]),
         "4/2": ([e // 2, h, 2 * i // 2], [e // 2, i // 2, h]),
     }
+    if which == "seen":  # make test's child ran (tp, ep) = (2, 2) alone
+        want = {"2/2": want["2/2"]}
     for key, (gate_up, down) in want.items():
         got = seen["shards"][key]
         assert (got["gate_up_proj"], got["down_proj"]) == (gate_up, down), key
@@ -89,7 +109,8 @@ def test_experts_are_split(seen):
         tp = int(key.split("/")[0])
         assert got["qkv_proj"] == [h, (4 + 2 * 4) * 32 // tp], key
         assert got["kv_cache"][2] == 4 // tp, key
-    assert seen["specs"]["4/2"] == ["ep", None, "moe_tp"]
+    if which == "seen_full":
+        assert seen["specs"]["4/2"] == ["ep", None, "moe_tp"]
 
 
 def test_moe_blocks_add_an_all_reduce_each(seen):
@@ -100,15 +121,18 @@ def test_moe_blocks_add_an_all_reduce_each(seen):
     assert c["2/2"]["all-to-all"] == 0
 
 
-def test_sharded_block_equals_one_device(seen):
+@pytest.mark.slow
+def test_sharded_block_equals_one_device(seen_full):
     """experts_parallel at (tp, ep) = (4, 2) against experts_ragged on one device, relative error."""
-    for rows, err in seen["block_err"].items():
+    assert seen_full["block_err"]
+    for rows, err in seen_full["block_err"].items():
         assert err < 1e-5, rows
 
 
-def test_server_matches_offline_and_keeps_its_programs(seen):
-    assert seen["server"] == seen["tokens"]["NONE/1/1"]
-    assert seen["server_recompiles"] == 0
+@pytest.mark.slow
+def test_server_matches_offline_and_keeps_its_programs(seen_full):
+    assert seen_full["server"] == seen_full["tokens"]["NONE/1/1"]
+    assert seen_full["server_recompiles"] == 0
 
 
 def test_bad_ep_sizes_are_clear_errors(seen, moe_dir):
@@ -152,7 +176,7 @@ def test_param_specs_and_flag():
 # ---- the child process ---------------------------------------------------------------------------
 
 
-def _checks(d: str) -> dict:
+def _checks(d: str, full: bool) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -181,7 +205,7 @@ def _checks(d: str) -> dict:
     shard = lambda x: list(x.sharding.shard_shape(x.shape))
     res: dict = {"tokens": {}, "rounds": {}, "shards": {}, "specs": {}, "errors": {}, "collectives": {}}
     engines = {}
-    for algo, tp, ep, chunk in RUNS:
+    for algo, tp, ep, chunk in RUNS if full else RUNS[:2]:
         eng = engines[(tp, ep)] = engine(algo, tp, ep, chunk)
         out = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         res["tokens"][f"{algo}/{tp}/{ep}"] = [o["output_ids"] for o in out]
@@ -207,6 +231,15 @@ def _checks(d: str) -> dict:
         args = (jnp.zeros((2, 4), jnp.int32), jnp.int32(0), jnp.asarray([4, 3]), jnp.zeros((2, eng.cfg.hidden_size)))
         hlo = prefill_chunk.lower(eng.models, cache, *args).compile().as_text()
         res["collectives"][f"{tp}/{ep}"] = {op: hlo.count(f" {op}(") for op in ("all-reduce", "all-to-all")}
+
+    make_hf_model("llama", 0, vocab_size=V, num_key_value_heads=4).save_pretrained(f"{d}/dense")
+    for key, tp, ep, path in (("4/3", 4, 3, f"{d}/target"), ("dense", 2, 2, f"{d}/dense")):
+        try:
+            engine("NONE", tp, ep, path=path)
+        except JaxspecError as e:
+            res["errors"][key] = str(e)
+    if not full:
+        return res
 
     # the sharded block against the one-device one on the same weights (4/2: experts and I split)
     eng = engines[(4, 2)]
@@ -243,16 +276,9 @@ def _checks(d: str) -> dict:
     n = len(compiles)
     res["server"] = serve(sched)
     res["server_recompiles"] = len(compiles) - n
-
-    make_hf_model("llama", 0, vocab_size=V, num_key_value_heads=4).save_pretrained(f"{d}/dense")
-    for key, tp, ep, path in (("4/3", 4, 3, f"{d}/target"), ("dense", 2, 2, f"{d}/dense")):
-        try:
-            engine("NONE", tp, ep, path=path)
-        except JaxspecError as e:
-            res["errors"][key] = str(e)
     return res
 
 
 if __name__ == "__main__":
     sys.path[:0] = [os.path.dirname(HERE), HERE]
-    print(json.dumps(_checks(sys.argv[2])))
+    print(json.dumps(_checks(sys.argv[2], sys.argv[3] == "full")))

@@ -56,6 +56,7 @@ def _accept(eng, prompts) -> float:
     return float(np.mean([r["meta_info"]["spec_accept_length"] for r in got])), [r["output_ids"] for r in got]
 
 
+@pytest.mark.slow  # end to end (make test's 15 minutes)
 def test_the_head_adapts_and_output_does_not_change(dirs, tmp_path):
     """In a second process (the default on the CPU): the head it trains is swapped into this one."""
     eng = _engine(

@@ -131,6 +131,7 @@ def test_greedy_eagle3_is_token_identical_to_plain(dirs, eagle3_engine):
     assert eng.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)["output_ids"] == plain[1]
 
 
+@pytest.mark.slow  # end to end (make test's 15 minutes)
 def test_sampled_eagle3_emits_valid_tokens(eagle3_engine):
     """Speculative sampling at temperature 1 runs over the same head and emits in-vocabulary tokens
     (whether they follow the target's distribution is tests/test_speculative_sampling.py's part)."""
