@@ -283,13 +283,14 @@ def spec_round(
     plain=None,
     sampled: bool | str = True,
 ):
-    """One round. consts: round_constants(...), made before the loop. plain: [B] bool or None (server): those slots accept no draft and take the
-    target's own sample at the root (with penalties), i.e. plain decoding inside the round.
+    """One round. consts: round_constants(...), made before the loop. plain: [B] bool or None
+    (server): those slots accept no draft and take the target's own sample at the root (with
+    penalties), i.e. plain decoding inside the round.
     sampled (static): False when every slot is greedy (no sampler in the program). Every slot runs
     the same program; its only data-dependent branches are the sampler's skips of work no slot
     needs, on CPU only (jaxspec/sampling.py SKIP_UNUSED): GPU rounds are straight-line."""
     steps = spec.depth
-    keys = round_keys(consts, state, spec.num_steps + 2)  # [num_steps + 2, B] (none made where unused)
+    keys = round_keys(consts, state, spec.num_steps + 2)  # [num_steps + 2, B]; a greedy program drops them
     tree, dstate = draft_tree(prop, dparams, tgt, spec, state, st, sampled, keys, consts.q_index)
     cache = state.cache
     pos = cache.lengths[:, None] + tree.depth

@@ -81,11 +81,12 @@ def grow(
         token becomes the first child with probability 1 (also when the draft vocabulary lacks
         it), the others get 0. Siblings stay distinct tokens, which lossless verification needs.
     draw(probs [B, Vd], j, (max [B], argmax [B]) of probs) -> (ids [B], w [B, Vd], rows [B] bool):
-        sampled drafts, q = w / sum(w) (normalised here for every step at once). In the rows that sample, the first child of the spine (the root, then each
-        spine child) is ids, drawn from q at draft step j, and its siblings are the k - 1 most
-        likely other tokens; the spine child is always a beam (slot 0) and always kept by rerank,
-        so that whether it is in the tree never depends on its value. A forced token is a spine child with q(child) =
-        1 and q = 0 (its draw was certain).
+        sampled drafts, q = w / sum(w) (normalised here, every step at once). In the rows that
+        sample, the first child of the spine (the root, then each spine child) is ids, drawn from
+        q at draft step j, and its siblings are the k - 1 most likely other tokens; the spine
+        child is always a beam (slot 0) and always kept by rerank, so that whether it is in the
+        tree never depends on its value. A forced token is a spine child with q(child) = 1 and
+        q = 0 (its draw was certain).
     """
     b = root_probs.shape[0]
     k = topk
