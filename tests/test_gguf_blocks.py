@@ -169,6 +169,21 @@ def test_mixed_types_and_speculation_lossless(files):
         assert (int8 > 0) == (draft_mode is None and native.available())
 
 
+def test_rmsnorm_rows_do_not_depend_on_the_other_rows():
+    """A row's RMSNorm has the same bits alone and among 2-24 rows (XLA:CPU sums a reduction's rows
+    in another order from 8 rows on unless they are padded: models/llama.py mean_square). A tree of
+    8 or more nodes verified over a quantized target must normalise each token as decoding does."""
+    from jaxspec.models.llama import RMSNorm
+
+    norm = RMSNorm(576, 1e-5, jnp.float32)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 24, 576)), jnp.float32)
+    f = jax.jit(lambda x: norm(x))
+    alone = [np.asarray(f(x[:, r : r + 1]))[0, 0] for r in range(24)]
+    for t in (2, 7, 8, 12, 24):
+        got = np.asarray(f(x[:, :t]))[0]
+        assert all(np.array_equal(got[r], alone[r]) for r in range(t)), t
+
+
 def test_an_untied_head_in_blocks(files):
     """output.weight in blocks computes the logits (Q4_0, interleaved), its own type beside the others'."""
     q = engine(files["untied"], quantization="gguf", speculative_algorithm="NONE")

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxspec import gguf, native
+from jaxspec import compile_target, gguf, native
 from jaxspec.attention import attention, whole_buffers
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig, rope_inv_freq
@@ -163,6 +163,27 @@ def split_shards(y, shards: int, sizes: tuple[int, ...]) -> list:
     return [b.reshape(*lead, n) for b, n in zip(jnp.split(blocks, cuts, axis=-1), sizes)]
 
 
+ROW_GROUP = 8  # XLA:CPU sums rows of a reduction this many at a time once there are that many
+
+
+def mean_square(xf):
+    """xf [..., H] float32 -> [..., 1]: the mean of xf * xf over H. On a CPU a row's result has the
+    same bits whatever other rows share the call: XLA:CPU adds a row's H terms in one order when
+    fewer than ROW_GROUP rows share a reduction and in another (vectorised across rows) from
+    ROW_GROUP on, so the rows are padded to a multiple of ROW_GROUP and always take the second.
+    A verification pass of 8 or more tree rows then normalises each token as the one-row decoding
+    step does, which quantized targets need to stay lossless: their activations are rounded to
+    integers after the norm, where a last-bit difference can flip a near tie."""
+    if compile_target.platform() != "cpu":
+        return jnp.mean(xf * xf, axis=-1, keepdims=True)
+    lead, h = xf.shape[:-1], xf.shape[-1]
+    r = math.prod(lead)
+    flat = xf.reshape(r, h)
+    if r % ROW_GROUP:
+        flat = jnp.pad(flat, ((0, -r % ROW_GROUP), (0, 0)))
+    return (jnp.sum(flat * flat, axis=-1)[:r] / h).reshape(*lead, 1)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
@@ -170,7 +191,7 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        y = xf * jax.lax.rsqrt(mean_square(xf) + self.eps)
         return y.astype(x.dtype) * self.weight[...]
 
 
