@@ -390,11 +390,6 @@ def draw(w, u):
     return (bi * blk + ii).astype(jnp.int32)
 
 
-def uniforms(keys):
-    """One uniform in [0, 1) per typed PRNG key [R]."""
-    return jax.vmap(jax.random.uniform)(keys)
-
-
 FALLBACK_SHIFT = 1000.0  # draw_keyed's fallback scores lie this far below every real one
 
 
@@ -444,11 +439,7 @@ def argmax(x, axis: int = -1):
     where the two take five)."""
     if compile_target.platform() != "cpu":
         return row_argmax(jnp.moveaxis(x, axis, -1))
-    axis = axis % x.ndim
-    nan = jnp.isnan(x)
-    hit = jnp.where(jnp.any(nan, axis, keepdims=True), nan, x == jnp.max(x, axis, keepdims=True))
-    idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
-    return jnp.min(jnp.where(hit, idx, x.shape[axis] - 1), axis)
+    return _cpu_max_argmax(x, axis % x.ndim)[1]
 
 
 def max_argmax(x):
@@ -457,11 +448,18 @@ def max_argmax(x):
     The largest is NaN where x holds a NaN."""
     if compile_target.platform() != "cpu":
         return row_max_argmax(x)
-    m = jnp.max(x, -1, keepdims=True)
+    m, idx = _cpu_max_argmax(x, x.ndim - 1)
+    return m[..., 0], idx
+
+
+def _cpu_max_argmax(x, axis: int):
+    """argmax's CPU form along `axis`: (the max, kept as a size-1 axis; the first index holding it,
+    or the first NaN)."""
+    m = jnp.max(x, axis, keepdims=True)
     nan = jnp.isnan(x)
-    hit = jnp.where(jnp.any(nan, -1, keepdims=True), nan, x == m)
-    idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    return m[..., 0], jnp.min(jnp.where(hit, idx, x.shape[-1] - 1), -1)
+    hit = jnp.where(jnp.any(nan, axis, keepdims=True), nan, x == m)
+    idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    return m, jnp.min(jnp.where(hit, idx, x.shape[axis] - 1), axis)
 
 
 def sample(logits, st: SamplingTensors, counts, seen, keys, sampled: bool | str = True):

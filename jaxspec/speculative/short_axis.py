@@ -81,10 +81,8 @@ def row_argmax(x):
 
 def row_max_argmax(x):
     """x [..., V] -> (x at jnp.argmax(x, -1) [...], that index int32 [...]) from one (value, index)
-    reduction: one kernel on a GPU at any V, where the value read back at the index is another."""
-    if compile_target.platform() == "cpu":
-        idx = jnp.argmax(x, -1).astype(jnp.int32)
-        return jnp.take_along_axis(x, idx[..., None], -1)[..., 0], idx
+    reduction: one kernel on a GPU at any V, where the value read back at the index is another.
+    (On a CPU, where XLA runs such a reduction an element at a time, sampling.max_argmax has its own.)"""
     v = x.shape[-1]
     b, size = _blocks(x, -jnp.inf) if v > ROW_BLOCK else (x[..., None, :], v)
     iota = jax.lax.broadcasted_iota(jnp.int32, b.shape, b.ndim - 1)
