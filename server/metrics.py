@@ -100,6 +100,17 @@ def prometheus_text(sched: Scheduler, model: str) -> str:
                 online["online_train_score_in_use"] or 0.0,
             ),
         ]
+    shared = sched.eng.shared_text_stats()
+    if shared is not None:  # NGRAM's / the text-match candidates' text shared by requests
+        rows += [
+            (
+                "spec_shared_text_tokens",
+                "gauge",
+                "tokens of finished requests held for text matching (bounded by --speculative-ngram-capacity)",
+                shared["tokens"],
+            ),
+            ("spec_shared_text_capacity", "gauge", "the most tokens held for text matching", shared["capacity"]),
+        ]
     out = []
     for name, kind, help_, value in rows:
         out += [f"# HELP jaxspec:{name} {help_}", f"# TYPE jaxspec:{name} {kind}", f"jaxspec:{name}{label} {value}"]

@@ -111,6 +111,9 @@ async def server_info(request: Request):
     online = None if ctx.eng.online is None else ctx.eng.online.stats()
     if online is not None:
         internal |= online
+    shared = ctx.eng.shared_text_stats()
+    if shared is not None:  # NGRAM's / the text-match candidates' text shared by requests
+        internal["speculative_shared_text"] = shared
     return {
         **ctx.server_args,
         "served_model_name": ctx.served_model_name,

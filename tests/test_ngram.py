@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxspec.errors import JaxspecError
-from jaxspec.speculative.proposers.ngram import SEP, Corpus, match_occurrences, ngram_tree
+from jaxspec.speculative.proposers.ngram import SEP, TOP_K_BLOCK, Corpus, match_occurrences, ngram_tree, top_k
 
 from helpers import (  # noqa: F401 - models and plain are fixtures
     GREEDY,
@@ -33,6 +33,25 @@ def tree_for(hist, n, pad=4, **kw):
     seq = jnp.asarray([hist + [SEP] * pad], jnp.int32)
     t = ngram_tree(seq, jnp.asarray([len(hist)]), jnp.asarray([hist[-1]]), cfg, n)
     return [np.asarray(x)[0].tolist() for x in (t.tokens, t.parent, t.depth)]
+
+
+@pytest.mark.parametrize("t", [TOP_K_BLOCK * 32 + 1, 5000, 18433])
+@pytest.mark.parametrize("fill", [0.0, 0.002, 0.3, 1.0])
+def test_top_k_blocks_equal_top_k(t, fill):
+    """The blocked CPU top_k picks what jax.lax.top_k picks over distinct entries and -1s (the
+    -1s' order aside), occurrences few (fewer than k), many, or none."""
+    import jax
+
+    rng = np.random.default_rng(t)
+    x = np.where(rng.random((3, t)) < fill, rng.permutation(3 * t).reshape(3, t), -1)
+    x[1, -1] = 10 * t  # the largest entry in the last, padded block
+    x = jnp.asarray(x, jnp.int32)
+    for k in (1, 32):
+        v, i = top_k(x, k)
+        rv, ri = jax.lax.top_k(x, k)
+        assert (np.asarray(v) == np.asarray(rv)).all()
+        assert ((np.asarray(i) == np.asarray(ri)) | (np.asarray(v) < 0)).all()
+        assert (np.asarray(i) < t).all()
 
 
 def test_match_occurrences():
@@ -144,9 +163,24 @@ def test_greedy_identical_to_plain(models, plain, kw):  # noqa: F811
         out
     )  # a tiny random model repeats itself: matches get accepted
     # the second call also matches against the first call's text (the shared corpus)
+    held = sum(len(p) + len(r["output_ids"]) + 1 for p, r in zip(PROMPTS, out))  # a separator after each
+    assert eng.shared_text_stats() == dict(tokens=held, capacity=eng.spec.ngram.capacity, device_tokens=4096)
     again = eng.generate(input_ids=PROMPTS, sampling_params=long)
     assert [r["output_ids"] for r in again] == [r["output_ids"] for r in ref]
     assert sum(r["meta_info"]["spec_verify_ct"] for r in again) < rounds
+
+
+def test_shared_text_in_metrics(models):  # noqa: F811
+    """The server reports the shared text's size and bound (Prometheus gauges)."""
+    from jaxspec.server.metrics import prometheus_text
+    from jaxspec.server.scheduler import Scheduler
+
+    eng = ngram_engine(models, speculative_ngram_capacity=10)
+    eng.feed_ngram_corpus([[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])  # 12 tokens with separators: the oldest 2 go
+    text = prometheus_text(Scheduler(eng, max_running_requests=1), "m")
+    assert 'jaxspec:spec_shared_text_tokens{model_name="m"} 10' in text
+    assert 'jaxspec:spec_shared_text_capacity{model_name="m"} 10' in text
+    assert engine(models).shared_text_stats() is None
 
 
 @pytest.mark.slow

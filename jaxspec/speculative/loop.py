@@ -1,7 +1,7 @@
 """The speculative round and the `lax.while_loop` that runs rounds until every slot finishes.
 
 One round (all static shapes; B slots, N tree nodes, D = spec.depth: num_steps, or deeper
-text-match candidates merged into the tree, proposers/suffix.py):
+text-match candidates merged into the tree in rounds where some slot has a match, proposers/suffix.py):
   draft   proposer steps grow a tree from the root distribution (tree.grow + tree.rerank)
   verify  the target runs over the N tree tokens with the ancestor mask; verify.verify accepts
   commit  the accepted path's target KV moves to contiguous columns; lengths += accepted + 1
@@ -192,13 +192,16 @@ def draft_tree(
     sampled: bool | str = False,
     keys=None,
     q_index=None,
+    text=None,
 ):
     """The round's tree. st: the sampling tensors (its grammar, None: unconstrained: the draft
     then proposes only tokens each node's grammar state allows; its temperatures, for sampled
     drafts). sampled (static): whether any row samples; with spec.draft_sampling the sampling rows
     then draw one path of drafts (the spine, tree.py) from the draft distribution at the row's
     temperature (verify.py accepts those by min(1, p / q)), with keys [>= num_steps, B]
-    (round_keys: row j for depth j + 1) and q_index (RoundConstants; made here when None)."""
+    (round_keys: row j for depth j + 1) and q_index (RoundConstants; made here when None).
+    text: the text-match tree [B, suffix_nodes + 1] where the caller found it already (made here
+    when None and spec merges one)."""
     if prop.builds_tree:
         return prop.propose_tree(dparams, state.draft, state.last, spec), state.draft
     d = {"state": state.draft}
@@ -238,7 +241,9 @@ def draft_tree(
     tree = tree_lib.rerank(state.last, cand, spec.num_draft_tokens, spec.num_steps, q_index if draw else None)
     if spec.suffix is not None:  # text-match candidates in the same tree (proposers/suffix.py)
         assert isinstance(prop, TextMatchProposer)
-        tree = merge_trees(tree, prop.text_tree(dparams, d["state"], state.last, spec), spec.depth)
+        if text is None:
+            text = prop.text_tree(dparams, d["state"], state.last, spec)
+        tree = merge_trees(tree, text, spec.depth)
     return tree, d["state"]
 
 
@@ -288,10 +293,46 @@ def spec_round(
     penalties), i.e. plain decoding inside the round.
     sampled (static): False when every slot is greedy (no sampler in the program). Every slot runs
     the same program; its only data-dependent branches are the sampler's skips of work no slot
-    needs, on CPU only (jaxspec/sampling.py SKIP_UNUSED): GPU rounds are straight-line."""
+    needs, on CPU only (jaxspec/sampling.py SKIP_UNUSED), and, with text-match candidates, the
+    choice between the merged tree and the draft's tree alone (below)."""
+
+    def one(s: SpecState, shape: SpecConfig, text=None) -> SpecState:
+        return _round(tgt, prop, dparams, shape, s, st, max_new_tokens, stop_ids, consts, backend, plain, sampled, text)
+
+    if spec.suffix is None:
+        return one(state, spec)
+    # Text-match candidates are found first. Only a round where some slot has one verifies the merged
+    # tree; the others verify the draft's tree alone. Nothing is lost: where no slot has a match the
+    # match nodes are all padding, which nothing accepts. But a CPU target forward costs in
+    # proportion to the rows it verifies, so the merged tree's extra rows are paid only where they
+    # can be accepted. The choice is the batch's (one program, static shapes): one slot's match
+    # makes every slot's round the merged one.
+    assert isinstance(prop, TextMatchProposer)
+    text = prop.text_tree(dparams, state.draft, state.last, spec)  # [B, suffix_nodes + 1]
+    found = jnp.any(text.parent[:, 1:] < jnp.arange(1, spec.suffix_nodes + 1)[None, :])  # padding: own parent
+    alone = dataclasses.replace(spec, suffix=None, suffix_nodes=0)
+    return jax.lax.cond(found, lambda s: one(s, spec, text), lambda s: one(s, alone), state)
+
+
+def _round(
+    tgt,
+    prop,
+    dparams,
+    spec: SpecConfig,
+    state: SpecState,
+    st,
+    max_new_tokens,
+    stop_ids,
+    consts: RoundConstants,
+    backend,
+    plain=None,
+    sampled: bool | str = True,
+    text=None,
+):
+    """spec_round's round of one tree shape; text: the text-match tree when spec merges one."""
     steps = spec.depth
     keys = round_keys(consts, state, spec.num_steps + 2)  # [num_steps + 2, B]; a greedy program drops them
-    tree, dstate = draft_tree(prop, dparams, tgt, spec, state, st, sampled, keys, consts.q_index)
+    tree, dstate = draft_tree(prop, dparams, tgt, spec, state, st, sampled, keys, consts.q_index, text)
     cache = state.cache
     pos = cache.lengths[:, None] + tree.depth
     h, cache, cap = tgt(

@@ -3,8 +3,8 @@
 Much of what an engine is asked to write repeats text it has seen: code it was given to edit,
 passages an answer quotes, the same tool-call JSON every turn of an agent loop, a previous answer
 being refined. There a draft that copies accepts many tokens a round at no model cost, while a
-draft model proposes a few tokens a round everywhere. Here both propose in every round, and one
-target forward verifies the union:
+draft model proposes a few tokens a round everywhere. Here both propose, and one target forward
+verifies the union:
 
   the draft model's tree   [B, N]: N = num_draft_tokens, built as without this option;
   the text-match tree      [B, M + 1]: the longest earlier matches of the request's latest tokens
@@ -20,6 +20,10 @@ target forward verifies the union:
                            lossless verification needs. Match candidates are chosen without the
                            target's random numbers, so sampled rounds verify them with the same
                            rules as the draft's deterministic siblings (verify.py): lossless.
+
+The match tree is found first, each round (loop.spec_round): a round where no slot has a match
+verifies the draft's tree alone, N rows instead of N + M (the match nodes would all be padding),
+since a CPU forward costs in proportion to its rows.
 
 The proposer wraps the draft model's (`with_text_match`): its cache is the draft's KV cache plus
 the request's text (SuffixCache), and every other call passes through to the wrapped proposer.
