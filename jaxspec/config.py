@@ -290,6 +290,10 @@ class SpecConfig:
     def is_eagle(self) -> bool:
         return self.algorithm in ("EAGLE", "EAGLE3")
 
+    def without_text(self) -> SpecConfig:
+        """The draft model's tree alone, without text-match candidates."""
+        return dataclasses.replace(self, suffix=None, suffix_nodes=0)
+
     @property
     def suffix_depth(self) -> int:
         """The deepest text-match candidate below the root (0 without them)."""

@@ -115,11 +115,6 @@ def shape_label(spec: SpecConfig | None) -> str:
     return f"{spec.num_steps}/{spec.eagle_topk}/{spec.num_draft_tokens}{text}"
 
 
-def without_text(spec: SpecConfig) -> SpecConfig:
-    """The draft model's tree alone, without text-match candidates."""
-    return dataclasses.replace(spec, suffix=None, suffix_nodes=0)
-
-
 def shallower(spec: SpecConfig) -> SpecConfig | None:
     """The configured shape with half its draft steps (at least one) and no more nodes than those
     steps can fill, or None when it has a single step."""
@@ -170,7 +165,7 @@ class Adaptive:
         if self.spec.suffix is None:
             half = shallower(self.spec)
             return [self.spec] + ([half] if half is not None else []) + [None]
-        alone = without_text(self.spec)
+        alone = self.spec.without_text()
         half = shallower(alone)
         return [self.spec, alone] + ([half] if half is not None else []) + [None]
 

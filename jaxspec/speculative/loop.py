@@ -200,8 +200,7 @@ def draft_tree(
     then draw one path of drafts (the spine, tree.py) from the draft distribution at the row's
     temperature (verify.py accepts those by min(1, p / q)), with keys [>= num_steps, B]
     (round_keys: row j for depth j + 1) and q_index (RoundConstants; made here when None).
-    text: the text-match tree [B, suffix_nodes + 1] where the caller found it already (made here
-    when None and spec merges one)."""
+    text: the text-match tree [B, suffix_nodes + 1] when spec merges one (spec_round finds it)."""
     if prop.builds_tree:
         return prop.propose_tree(dparams, state.draft, state.last, spec), state.draft
     d = {"state": state.draft}
@@ -240,9 +239,7 @@ def draft_tree(
         q_index = tree_lib.target_index(ids, tgt.cfg.vocab_size)
     tree = tree_lib.rerank(state.last, cand, spec.num_draft_tokens, spec.num_steps, q_index if draw else None)
     if spec.suffix is not None:  # text-match candidates in the same tree (proposers/suffix.py)
-        assert isinstance(prop, TextMatchProposer)
-        if text is None:
-            text = prop.text_tree(dparams, d["state"], state.last, spec)
+        assert text is not None
         tree = merge_trees(tree, text, spec.depth)
     return tree, d["state"]
 
@@ -287,6 +284,7 @@ def spec_round(
     backend,
     plain=None,
     sampled: bool | str = True,
+    text=None,
 ):
     """One round. consts: round_constants(...), made before the loop. plain: [B] bool or None
     (server): those slots accept no draft and take the target's own sample at the root (with
@@ -294,42 +292,25 @@ def spec_round(
     sampled (static): False when every slot is greedy (no sampler in the program). Every slot runs
     the same program; its only data-dependent branches are the sampler's skips of work no slot
     needs, on CPU only (jaxspec/sampling.py SKIP_UNUSED), and, with text-match candidates, the
-    choice between the merged tree and the draft's tree alone (below)."""
-
-    def one(s: SpecState, shape: SpecConfig, text=None) -> SpecState:
-        return _round(tgt, prop, dparams, shape, s, st, max_new_tokens, stop_ids, consts, backend, plain, sampled, text)
-
-    if spec.suffix is None:
-        return one(state, spec)
-    # Text-match candidates are found first. Only a round where some slot has one verifies the merged
-    # tree; the others verify the draft's tree alone. Nothing is lost: where no slot has a match the
-    # match nodes are all padding, which nothing accepts. But a CPU target forward costs in
-    # proportion to the rows it verifies, so the merged tree's extra rows are paid only where they
-    # can be accepted. The choice is the batch's (one program, static shapes): one slot's match
-    # makes every slot's round the merged one.
-    assert isinstance(prop, TextMatchProposer)
-    text = prop.text_tree(dparams, state.draft, state.last, spec)  # [B, suffix_nodes + 1]
-    found = jnp.any(text.parent[:, 1:] < jnp.arange(1, spec.suffix_nodes + 1)[None, :])  # padding: own parent
-    alone = dataclasses.replace(spec, suffix=None, suffix_nodes=0)
-    return jax.lax.cond(found, lambda s: one(s, spec, text), lambda s: one(s, alone), state)
-
-
-def _round(
-    tgt,
-    prop,
-    dparams,
-    spec: SpecConfig,
-    state: SpecState,
-    st,
-    max_new_tokens,
-    stop_ids,
-    consts: RoundConstants,
-    backend,
-    plain=None,
-    sampled: bool | str = True,
-    text=None,
-):
-    """spec_round's round of one tree shape; text: the text-match tree when spec merges one."""
+    choice between the merged tree and the draft's tree alone (below). text: the text-match tree
+    [B, suffix_nodes + 1], found by that choice (None: find it)."""
+    if spec.suffix is not None and text is None:
+        # Text-match candidates are found first. Only a round where some slot has one verifies the
+        # merged tree; the others verify the draft's tree alone. Nothing is lost: where no slot has a
+        # match the match nodes are all padding, which nothing accepts. But a CPU target forward
+        # costs in proportion to the rows it verifies, so the merged tree's extra rows are paid only
+        # where they can be accepted. The choice is the batch's (one program, static shapes): one
+        # slot's match makes every slot's round the merged one.
+        assert isinstance(prop, TextMatchProposer)
+        found_text = prop.text_tree(dparams, state.draft, state.last, spec)
+        real = found_text.parent[:, 1:] < jnp.arange(1, spec.suffix_nodes + 1)[None, :]  # padding: own parent
+        rest = (st, max_new_tokens, stop_ids, consts, backend, plain, sampled)
+        return jax.lax.cond(
+            jnp.any(real),
+            lambda s: spec_round(tgt, prop, dparams, spec, s, *rest, text=found_text),
+            lambda s: spec_round(tgt, prop, dparams, spec.without_text(), s, *rest),
+            state,
+        )
     steps = spec.depth
     keys = round_keys(consts, state, spec.num_steps + 2)  # [num_steps + 2, B]; a greedy program drops them
     tree, dstate = draft_tree(prop, dparams, tgt, spec, state, st, sampled, keys, consts.q_index, text)
