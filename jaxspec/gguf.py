@@ -108,10 +108,11 @@ def dequantize(w, kind: str):
     return out.reshape(*lead, -1)
 
 
-def matmul(x, w, kind: str):
+def matmul(x, w, kind: str, norm=None):
     """x [..., I] times GGUF blocks w of type `kind` (plain [O, I / 32 * block bytes], or interleaved:
     kind ending in x8) -> [..., O] in x's dtype, by the native kernel (activations quantized per block
-    of 32, integer sums exact)."""
+    of 32, integer sums exact). norm: (weight [I], eps) of an RMSNorm the kernel applies to each row of
+    x first, or None."""
     lead, n = x.shape[:-1], math.prod(x.shape[:-1])
-    y = native.gguf_matmul(x.reshape(n, x.shape[-1]).astype(jnp.float32), w, kind)
+    y = native.gguf_matmul(x.reshape(n, x.shape[-1]).astype(jnp.float32), w, kind, norm)
     return y.reshape(*lead, y.shape[-1]).astype(x.dtype)

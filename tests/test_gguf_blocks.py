@@ -265,3 +265,24 @@ def test_a_gguf_file_runs_at_its_own_quantization_by_default(files, tmp_path):
     assert engine(files["q4_1"], quantization="w8a8_int8", speculative_algorithm="NONE").quantization == "w8a8_int8"
     make_hf_model("llama", 0).save_pretrained(tmp_path / "hf")
     assert engine(str(tmp_path / "hf"), speculative_algorithm="NONE").quantization is None
+
+
+@pytest.mark.parametrize("kind", ["Q4_1x8", "Q8_0"])
+def test_a_norm_inside_the_kernel_is_the_norm_before_it(kind):
+    """gguf_matmul with an RMSNorm's weight normalises each row first: close to the product of the
+    rows normed in float64 (activation codes may round the other way at a tie), and a row's result
+    bitwise the same alone or among others."""
+    rng = np.random.default_rng(3)
+    base = kind.removesuffix("x8")
+    blocks = quantize(rng.normal(size=(64, 576)).astype(np.float32), base)
+    w = gguf.interleave(blocks, base) if kind.endswith("x8") else blocks
+    weight, eps = rng.uniform(0.5, 2.0, size=576).astype(np.float32), 1e-5
+    f = jax.jit(lambda x, w, g: native.gguf_matmul(x, w, kind, (g, eps)))
+    x = (rng.normal(size=(5, 576)) * rng.uniform(0.1, 30, size=(5, 1))).astype(np.float32)
+    y = np.asarray(f(x, w, weight))
+    x64 = x.astype(np.float64)
+    normed = (x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + eps) * weight).astype(np.float32)
+    ref = np.asarray(native.gguf_matmul(normed, w, kind))
+    np.testing.assert_allclose(y, ref, rtol=0, atol=2e-2 * np.abs(ref).max())
+    for r in range(5):
+        assert np.array_equal(np.asarray(f(x[r : r + 1], w, weight))[0], y[r])

@@ -21,11 +21,11 @@ pytestmark = pytest.mark.skipif(
 B, H, HKV, D = 2, 9, 3, 64  # SmolLM2's heads
 
 
-def _data(s, t, seed=0):
+def _data(s, t, seed=0, d=D):
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, t, H, D)).astype(np.float32)
-    k = rng.standard_normal((B, s, HKV, D)).astype(np.float32)
-    v = rng.standard_normal((B, s, HKV, D)).astype(np.float32)
+    q = rng.standard_normal((B, t, H, d)).astype(np.float32)
+    k = rng.standard_normal((B, s, HKV, d)).astype(np.float32)
+    v = rng.standard_normal((B, s, HKV, d)).astype(np.float32)
     return q, k, v
 
 
@@ -40,6 +40,16 @@ def test_causal_rows_match_the_reference(offset, window):
     kv_len = np.array([0, 180])
     out = _native(q, k, v, kv_len, offset, None, window)
     ref = tree_attention_reference(q, k, v, jnp.asarray(kv_len), None, offset=offset, sliding_window=window)
+    np.testing.assert_allclose(out, np.asarray(ref), atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("d", [128, 20])
+def test_other_head_sizes_match_the_reference(d):
+    """128: two passes of 64 over the values; 20 (not a multiple of 8): the scalar path."""
+    q, k, v = _data(96, 3, seed=4, d=d)
+    kv_len = np.array([0, 61])
+    out = _native(q, k, v, kv_len)
+    ref = tree_attention_reference(q, k, v, jnp.asarray(kv_len), None)
     np.testing.assert_allclose(out, np.asarray(ref), atol=2e-6, rtol=0)
 
 

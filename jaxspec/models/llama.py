@@ -60,11 +60,15 @@ class Linear(nnx.Module):
         self.act_int8 = False
         self.gguf: str | None = None
 
-    def __call__(self, x):
+    def __call__(self, x, norm: RMSNorm | None = None):
+        """x [..., I] -> [..., O]; norm: an RMSNorm applied to x first (inside the native kernel under
+        GGUF blocks)."""
         w = self.kernel[...]
         if self.gguf is not None:
-            y = gguf.matmul(x, w, self.gguf)
+            y = gguf.matmul(x, w, self.gguf, None if norm is None else (norm.weight[...], norm.eps))
             return y if self.bias is None else y + self.bias[...]
+        if norm is not None:
+            x = norm(x)
         if self.act_int8:
             y = int8_matmul(x, w, self.scale[...], self.out_major)
             return y if self.bias is None else y + self.bias[...]
@@ -235,13 +239,14 @@ class Attention(nnx.Module):
         q, k, v = split_shards(qkv, self.shards, (nh * d, nkv * d, nkv * d))
         return q.reshape(b, t, nh, d), k.reshape(b, t, nkv, d), v.reshape(b, t, nkv, d)
 
-    def project(self, x):
-        """x: [B, T, Hin] -> q [B, T, Nh, D], k and v [B, T, Nkv, D] (before RoPE; q and k per-head
-        normed where the model has q_norm / k_norm)."""
+    def project(self, x, norm: RMSNorm | None = None):
+        """x: [B, T, Hin] (normed by `norm` first, if given) -> q [B, T, Nh, D], k and v [B, T, Nkv, D]
+        (before RoPE; q and k per-head normed where the model has q_norm / k_norm)."""
         cfg, (b, t, _) = self.cfg, x.shape
         if self.shards:
-            q, k, v = self.heads(self.qkv_proj(x))
+            q, k, v = self.heads(self.qkv_proj(x, norm))
         else:
+            x = x if norm is None else norm(x)
             nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
             q, k, v = q.reshape(b, t, nh, d), k.reshape(b, t, nkv, d), v.reshape(b, t, nkv, d)
@@ -259,8 +264,8 @@ class Attention(nnx.Module):
         o = attention(q, k, v, cache.lengths, local_mask, cfg.sliding_window, offset, backend, cache.sharding)
         return o.reshape(b, t, cfg.num_heads * cfg.head_dim), cache
 
-    def __call__(self, x, positions, inv_freq, cache: KVCache, layer: int, local_mask, offset, backend):
-        q, k, v = self.project(x)
+    def __call__(self, x, positions, inv_freq, cache: KVCache, layer: int, local_mask, offset, backend, norm=None):
+        q, k, v = self.project(x, norm)
         o, cache = self.attend(q, k, v, positions, inv_freq, cache, layer, local_mask, offset, backend)
         return self.o_proj(o), cache
 
@@ -284,10 +289,12 @@ class MLP(nnx.Module):
         del self.gate_proj, self.up_proj
         self.shards = shards
 
-    def __call__(self, x):
+    def __call__(self, x, norm: RMSNorm | None = None):
+        """x [..., H] (normed by `norm` first, if given) -> [..., H]."""
         if self.shards:
-            g, u = split_shards(self.gate_up_proj(x), self.shards, (self.intermediate, self.intermediate))
+            g, u = split_shards(self.gate_up_proj(x, norm), self.shards, (self.intermediate, self.intermediate))
         else:
+            x = x if norm is None else norm(x)
             g, u = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(jax.nn.silu(g) * u)
 
@@ -302,9 +309,28 @@ class DecoderLayer(nnx.Module):
         sparse = index is not None and cfg.is_sparse(index)
         self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(cfg, dtype, rngs) if sparse else MLP(cfg, dtype, rngs)
 
+    def norms_in_products(self) -> bool:
+        """Whether the two RMSNorms run inside the projections after them: GGUF blocks, where the
+        native kernel normalises each row as it quantizes it (one call in place of the XLA ops of a
+        norm; a row's result stays independent of the rows beside it)."""
+        att, mlp = self.self_attn, self.mlp
+        return (
+            self.input_layernorm is not None
+            and isinstance(mlp, MLP)
+            and bool(att.shards and mlp.shards)
+            and att.qkv_proj.gguf is not None
+            and mlp.gate_up_proj.gguf is not None
+        )
+
     def __call__(self, x, positions, inv_freq, cache, layer, local_mask, offset, backend):
         if fused_layer.applies(self, x.shape[0] * x.shape[1], backend, cache):  # few rows on a GPU: five kernels
             return fused_layer.run(self, x, positions, inv_freq, cache, layer, local_mask, offset, backend)
+        if self.norms_in_products():
+            a, cache = self.self_attn(
+                x, positions, inv_freq, cache, layer, local_mask, offset, backend, self.input_layernorm
+            )
+            x = x + a
+            return x + self.mlp(x, self.post_attention_layernorm), cache
         xn = x if self.input_layernorm is None else self.input_layernorm(x)
         a, cache = self.self_attn(xn, positions, inv_freq, cache, layer, local_mask, offset, backend)
         x = x + a
@@ -418,7 +444,8 @@ def out_major(model: nnx.Module) -> nnx.Module:
     """In place, for inference on XLA:CPU with one device (after fuse_projections and quantization):
     every attention and MLP kernel of `model` (a target, or a draft built from these layers) is
     stored [out, in], and a tied LM head computes few-row logits the same way (small_rows_matmul).
-    Float LM head kernels of their own stay [in, out] (drafts read them directly). w8a8_int8
+    So is an EAGLE draft's feature projection (fc, [3 H or 2 H] -> H, run on every round's accepted
+    tokens). Float LM head kernels of their own stay [in, out] (drafts read them directly). w8a8_int8
     kernels, the int8 LM head copy and a draft's int8 LM head included, go out-major for the native
     int8 kernel (jaxspec.native) when it is available, and otherwise stay [in, out], the layout
     XLA:CPU's int8 GEMM runs fastest. Returns `model`."""
@@ -427,6 +454,8 @@ def out_major(model: nnx.Module) -> nnx.Module:
     for path, m in nodes:
         lins = []
         if isinstance(m, Linear) and path and path[-1] == "lm_head" and m.act_int8:  # a draft's int8 LM head
+            lins = [m]
+        if isinstance(m, Linear) and path and path[-1] == "fc":  # an EAGLE draft's feature projection
             lins = [m]
         if isinstance(m, LlamaForCausalLM):
             m.out_major = True

@@ -158,17 +158,19 @@ def int8_matmul(xq, w):
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((xq.shape[0], w.shape[0]), jnp.int32))(xq, w)
 
 
-def gguf_matmul(x, w, kind: str):
+def gguf_matmul(x, w, kind: str, norm=None):
     """x [R, I] float32 times GGUF blocks w [O, I / 32 * block bytes] uint8 of type `kind` (a key of
     GGUF_BLOCKS; row o of w holds weight row o), or their interleaved layout [O / 8, I / 32 * group
     bytes] (a key of GGUF_X8) -> [R, O] float32, activations quantized per block of 32 as llama.cpp
-    does (gguf_matmul.cc), the weight rows split over the kernel's threads."""
+    does (gguf_matmul.cc), the weight rows split over the kernel's threads. norm: (weight [I], eps)
+    of an RMSNorm applied to each row of x first, inside the kernel, or None."""
     why = gguf_unavailable()  # builds and registers it on first use
     if why is not None:
         raise JaxspecError(f"the native GGUF kernel is unavailable: {why}")
     kind_id, out = (GGUF_X8[kind][0], 8 * w.shape[0]) if kind in GGUF_X8 else (GGUF_BLOCKS[kind][0], w.shape[0])
+    weight, eps = (jnp.zeros((0,), jnp.float32), 0.0) if norm is None else norm
     return jax.ffi.ffi_call(GGUF_TARGET, jax.ShapeDtypeStruct((x.shape[0], out), jnp.float32))(
-        x, w, kind=np.int32(kind_id)
+        x, w, jnp.asarray(weight, jnp.float32), kind=np.int32(kind_id), eps=np.float32(eps)
     )
 
 

@@ -7,6 +7,8 @@
 //   Q4_0  d, 16 bytes of 4-bit q (low nibbles: weights 0-15, high: 16-31)    w = d * (q - 8)
 //   Q4_1  d, m, 16 bytes of 4-bit q (same order)                              w = d * q + m
 //   Q8_0  d, 32 signed bytes q                                                w = d * q
+// With an RMSNorm's weight (norm [I], eps), each row of x is normalised first, inside the call (a
+// model's norm before its projections, in place of XLA's ops for it).
 // Activations are quantized per row and block of 32, as llama.cpp does for these formats: a
 // float16 scale dx = max|x| / 127 and q_x = round(x / dx) in [-127, 127], plus (for Q4_1) s =
 // dx * sum q_x. A block's product is then an exact integer sum scaled in float:
@@ -57,6 +59,7 @@ int BlockBytes(int kind) { return kind == kQ4_0 ? 18 : kind == kQ4_1 ? 20 : kind
 // Nibbles: 4 runs of 32 bytes; run t, byte 4 j + i = q[row j][8 t + i] | q[row j][8 t + 4 + i] << 4
 // (i < 4). Q8_0: 8 runs of 32 bytes; run k, byte 4 j + i = q[row j][4 k + i].
 constexpr int kX8 = 100;  // kind + kX8: the interleaved layout of kind
+constexpr int64_t kPrefetchBytes = 1280;  // how far ahead of an interleaved pass its weights are fetched
 int GroupBytes(int kind) {
   return kind == kQ4_0 + kX8 ? 144 : kind == kQ4_1 + kX8 ? 160 : kind == kQ8_0 + kX8 ? 272 : 0;
 }
@@ -100,13 +103,15 @@ float RoundToHalf(float x) {
 // offset term); d8 and s8 hold d and s / 8 eight times each, for 8-lane vector products.
 struct Activations {
   std::vector<int8_t> q;
-  std::vector<float> d, s, d8, s8;
+  std::vector<float> d, s, d8, s8, normed;
   std::vector<int32_t> sum;
 
-  // Fills the buffers (kept by the calling thread from call to call: no allocation per call).
-  void Quantize(const float* x, int64_t rows, int64_t in) {
+  // Fills the buffers (kept by the calling thread from call to call: no allocation per call). norm
+  // (or null): an RMSNorm's weight [in], applied to each row first (Normalize).
+  void Quantize(const float* x, int64_t rows, int64_t in, const float* norm, float eps) {
     q.resize(rows * in), d.resize(rows * in / 32), s.resize(d.size()), d8.resize(8 * d.size());
     s8.resize(8 * d.size()), sum.resize(d.size());
+    if (norm != nullptr) x = Normalize(x, rows, in, norm, eps);
     for (int64_t blk = 0; blk < rows * in / 32; ++blk) {
       const float* xb = x + blk * 32;
       float amax = 0.0f;
@@ -123,6 +128,24 @@ struct Activations {
       s[blk] = RoundToHalf(dx * float(total));
       for (int i = 0; i < 8; ++i) d8[8 * blk + i] = d[blk], s8[8 * blk + i] = s[blk] / 8;
     }
+  }
+
+  // RMSNorm of each row into `normed`: x * (1 / sqrt(mean(x^2) + eps)) * weight, the squares summed
+  // in 8 running sums (lane j: i = j, j + 8, ...) added in a fixed order, so a row's result depends
+  // on nothing but the row. Returns normed's data.
+  const float* Normalize(const float* x, int64_t rows, int64_t in, const float* weight, float eps) {
+    normed.resize(rows * in);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * in;
+      float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t i = 0; i < in; i += 8)  // in: a multiple of 32
+        for (int j = 0; j < 8; ++j) lane[j] += xr[i + j] * xr[i + j];
+      const float ss = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+      const float inv = 1.0f / std::sqrt(ss / float(in) + eps);
+      float* out = normed.data() + r * in;
+      for (int64_t i = 0; i < in; ++i) out[i] = xr[i] * inv * weight[i];
+    }
+    return normed.data();
   }
 };
 
@@ -257,6 +280,10 @@ void PassX8(const Activations& a, int64_t r0, const uint8_t* w, float* y, int64_
     for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = wg + b * gs;
+      // the weights kPrefetchBytes ahead (8 blocks of Q4_1x8) asked for now, so that they stream from
+      // memory while this block is multiplied (a prefetch past the weights' end is harmless)
+      for (int64_t ahead = kPrefetchBytes; ahead < kPrefetchBytes + gs; ahead += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + ahead), _MM_HINT_T0);
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
       __m256i wv[8];  // Q8_0: |q|, the signs applied to the activations instead
       __m256 m = _mm256_setzero_ps();
@@ -278,6 +305,17 @@ void PassX8(const Activations& a, int64_t r0, const uint8_t* w, float* y, int64_
         const int64_t k = (r0 + r) * nb + b;
         const int8_t* xb = a.q.data() + k * 32;
         __m256i dot = Kind == kQ4_0 ? _mm256_set1_epi32(-8 * a.sum[k]) : _mm256_setzero_si256();
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+        if constexpr (Kind != kQ8_0) {
+          // AVX2: the 8 pairwise products of nibbles (<= 15) and activations (|q_x| <= 127) summed in
+          // int16 lanes (at most 8 * 2 * 15 * 127 = 30480, exact), widened to int32 once: 9
+          // multiply instructions a row and block instead of 16, the same integer sums
+          __m256i s16 = _mm256_maddubs_epi16(wv[0], _mm256_broadcastd_epi32(_mm_loadu_si32(xb)));
+          for (int j = 1; j < 8; ++j)
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(wv[j], _mm256_broadcastd_epi32(_mm_loadu_si32(xb + 4 * j))));
+          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));
+        } else
+#endif
         for (int j = 0; j < 8; ++j) {
           const __m256i xv = _mm256_broadcastd_epi32(_mm_loadu_si32(xb + 4 * j));
           if constexpr (Kind == kQ8_0)  // (the signs reloaded from the block: no registers left for them)
@@ -423,8 +461,8 @@ class Pool {
   int parts_ = 0;
 };
 
-ffi::Error GgufMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y,
-                          int32_t kind) {
+ffi::Error GgufMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> norm,
+                          ffi::ResultBuffer<ffi::F32> y, int32_t kind, float eps) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const bool x8 = GroupBytes(kind) != 0;
@@ -436,10 +474,12 @@ ffi::Error GgufMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::
         "I / 32 * group bytes])");
   if (y->dimensions().size() != 2 || y->dimensions()[1] != wd[0] * (x8 ? 8 : 1))
     return ffi::Error::InvalidArgument("gguf_matmul: y must be [R, O]");
+  if (norm.element_count() != 0 && norm.element_count() != size_t(xd[1]))
+    return ffi::Error::InvalidArgument("gguf_matmul: the norm's weight must be [I] (or [0]: no norm)");
   const int64_t rows = xd[0], in = xd[1], out = wd[0] * (x8 ? 8 : 1), units = wd[0];
   thread_local Activations buffers;
   Activations& a = buffers;  // (a lambda naming `buffers` would see each worker's own, empty, copy)
-  a.Quantize(x.typed_data(), rows, in);
+  a.Quantize(x.typed_data(), rows, in, norm.element_count() ? norm.typed_data() : nullptr, eps);
   float* yp = y->typed_data();
   const uint8_t* wp = w.typed_data();
   Pool& pool = Pool::Get();
@@ -462,5 +502,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecGgufMatmul, GgufMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("kind"));
+                                  .Attr<int32_t>("kind")
+                                  .Attr<float>("eps"));
