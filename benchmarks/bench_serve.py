@@ -2,16 +2,22 @@
 
     python benchmarks/bench_serve.py [--modes plain eagle3 eagle3-static] [--concurrency 1 4 16]
         [--requests 16] [--time-limit 300] [--max-tokens 128] [--ignore-eos] [--temperature 0 1]
+        [--workload mtbench|code|quote|agent] [--seed 0]
 
 It starts one server per mode on 127.0.0.1 (free ports; loopback only), waits until every one has
 finished its background compiles (so that none takes cores from another's timed level), then for
 each concurrency `c` runs the modes one after another, interleaved, so that they see the same
-machine: MT-bench first turns as streaming chat completions from `c` client threads. It reports
+machine: MT-bench first turns (or, with --workload, bench_repetitive.py's conversations where text
+repeats: code edits, answers quoting passages, an agent loop; fixed by --seed, the same as that
+script's first --requests) as streaming chat completions from `c` client threads. It reports
 output throughput (completion tokens / wall time), request latency and time-to-first-token
 percentiles, the gaps between streamed chunks (how smooth streaming is), the mean accept length,
 and the share of rounds run with each tree shape (adaptive speculation). Each level is bounded
 by --requests and --time-limit; each level first runs once untimed (--warmup) for every mode,
-and every server finishes the compiles it was asked for before any level is timed.
+and every server finishes the compiles it was asked for before any level is timed. After each
+untimed pass every server's /flush_cache forgets the prefixes it cached and the text it keeps for
+text matching, so that a timed request neither reuses its own warm-up's KV nor copies its own
+warm-up answer (NGRAM, hybrid).
 """
 
 from __future__ import annotations
@@ -39,7 +45,10 @@ MODES = {
     "plain-no-overlap": ["--speculative-algorithm", "NONE", "--disable-overlap-schedule"],
     "eagle2": ["--speculative-algorithm", "EAGLE"],
     "ngram": ["--speculative-algorithm", "NGRAM"],
+    # the default EAGLE-3 head at the server's tree shape, with 4 text-match candidates merged into it
+    "hybrid": ["--speculative-suffix-draft-tokens", "4"],
 }
+WORKLOADS = ("mtbench", "code", "quote", "agent")
 
 
 def free_port() -> int:
@@ -143,10 +152,28 @@ def stream_chat(port, body: dict, timeout: float = 600):
         c.close()
 
 
+def flush(port) -> None:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("POST", "/flush_cache")
+    c.getresponse().read()
+    c.close()
+
+
+def conversations(args) -> list:
+    """The level's requests: MT-bench first turns (str) or bench_repetitive.py's conversations."""
+    if args.workload == "mtbench":
+        return mtbench_first_turns(max(args.requests, 2) + 1)[1:]
+    import bench_repetitive as rep
+
+    build = {"code": rep.code_edits, "quote": rep.quote_passages, "agent": rep.agent_loop}[args.workload]
+    return build(args.requests, args.seed)
+
+
 def one_request(port, question, args, temperature):
+    """question: a user turn (str) or a whole conversation (messages)."""
     body = {
         "model": "default",
-        "messages": [{"role": "user", "content": question}],
+        "messages": [{"role": "user", "content": question}] if isinstance(question, str) else question,
         "max_tokens": args.max_tokens,
         "temperature": temperature,
         "stream": True,
@@ -236,6 +263,8 @@ def main():
         "all requests of a level sent at once its wall time is the longest one's)",
     )
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="levels are run at each")
+    ap.add_argument("--workload", default="mtbench", choices=WORKLOADS, help="what the requests ask (above)")
+    ap.add_argument("--seed", type=int, default=0, help="fixes the conversations of --workload other than mtbench")
     add_model_arguments(ap, BENCH_CONTEXT)
     ap.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed pass before each level")
     ap.add_argument("--startup-timeout", type=float, default=900)
@@ -243,9 +272,9 @@ def main():
     ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="extra `jaxspec serve` flags (last)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    questions = mtbench_first_turns(max(args.requests, 2) + 1)[1:]
+    questions = conversations(args)
     eos = ", EOS ignored" if args.ignore_eos else ""
-    print(f"# {machine()}\n# max_tokens {args.max_tokens}{eos}, {args.requests} requests per level")
+    print(f"# {machine()}\n# {args.workload}, max_tokens {args.max_tokens}{eos}, {args.requests} requests per level")
     print(
         "| mode | temperature | concurrency | requests | out tok/s | accept | latency p50 / p90 / p99 (s) | TTFT p50 / p99 (s) "
         "| stream gap p50 / p99 (ms) | rounds per shape |"
@@ -262,6 +291,7 @@ def main():
             if args.warmup:  # the same level untimed first: every shape it hits runs once here
                 for port, _, _ in servers.values():
                     run_level(port, questions, conc, temperature, args)
+                    flush(port)
             for mode, (port, _, startup) in servers.items():
                 # programs a server was asked for (a call's own shape where a larger one served it)
                 # compile while it is idle: not while another server's level is timed

@@ -296,16 +296,18 @@ class Engine:
         kw = {**(template_kwargs or {}), **({} if tools is None else {"tools": tools})}
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
 
-    def reset_ngram_corpus(self, reserve: int = 4096) -> None:
+    def reset_ngram_corpus(self, reserve: int | None = None) -> None:
         """NGRAM and text-match candidates: empties the text shared by all requests
-        (speculative/proposers/ngram.py). Its device
-        copy is padded to a power of two of at least `reserve` tokens; each larger size recompiles
-        the round, so a reserve that holds the whole workload compiles once."""
+        (speculative/proposers/ngram.py). Its device copy is padded to a power of two of at least
+        `reserve` tokens (None: the current text's, 4096 at first); each larger size recompiles the
+        round, so a reserve that holds the whole workload compiles once."""
         match = self.spec.text_match
         if match is None:
             raise JaxspecError(
                 "reset_ngram_corpus needs speculative_algorithm='NGRAM' or speculative_suffix_draft_tokens"
             )
+        if reserve is None:
+            reserve = 4096 if self._corpus is None else self._corpus.reserve
         self._corpus = Corpus(match.capacity, reserve=reserve)
         self.dparams = {**(self.dparams or {}), "corpus": self._corpus.device()}
 

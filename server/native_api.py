@@ -150,7 +150,8 @@ async def model_info(request: Request):
 
 
 async def flush_cache(request: Request):
-    """SGLang's: forgets every cached prefix (running requests keep theirs)."""
+    """SGLang's: forgets every cached prefix (running requests keep theirs), and the text finished
+    requests left for text matching."""
     n = context(request).sched.flush_cache()
     return PlainTextResponse(f"Cache flushed ({n} cached prefixes dropped).\n")
 

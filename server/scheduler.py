@@ -132,8 +132,12 @@ class Scheduler(Admission, Dispatch):
         return not busy and time.perf_counter() - self._last_busy >= seconds
 
     def flush_cache(self) -> int:
-        """Forgets every cached prefix (free slots; running requests keep theirs). Returns how many slots held one."""
+        """Forgets every cached prefix (free slots; running requests keep theirs) and the text that
+        finished requests left for text matching (NGRAM, --speculative-suffix-draft-tokens).
+        Returns how many slots held a prefix."""
         with self.lock:
+            if self.eng.spec.text_match is not None:
+                self.eng.reset_ngram_corpus()
             return self.cache.flush()
 
     # ---- the loop (scheduler thread) ---------------------------------------------------------

@@ -97,18 +97,25 @@ def test_greedy_identical_to_plain(models, plain, algo, draft, knobs):  # noqa: 
 def serve(eng, prompts, params, cache):
     """Outputs of `prompts` through the server's continuous batching (2 slots), the first len(PROMPTS)
     finished before the rest arrive."""
+    res: dict = {}
+    serve_scheduler(eng, prompts, params, cache, res)
+    return [res[i] for i in range(len(prompts))]
+
+
+def serve_scheduler(eng, prompts, params, cache=False, res=None):
+    """The Scheduler that served `prompts` (as `serve`), results into `res`."""
     from jaxspec.sampling import SamplingParams
     from jaxspec.server.scheduler import Request, Scheduler
 
     sched = Scheduler(eng, max_running_requests=2, prefix_cache=cache)
-    res: dict = {}
+    res = {} if res is None else res
     for i, p in enumerate(prompts):
         emit = lambda e, i=i: res.__setitem__(i, e["result"]) if e["type"] == "done" else None
         sched.submit(Request(ids=p, params=SamplingParams.from_dict(params), speculative=True, emit=emit))
         if i == len(PROMPTS) - 1:
             sched.run_until_idle()
     sched.run_until_idle()
-    return [res[i] for i in range(len(prompts))]
+    return sched
 
 
 @pytest.mark.slow
@@ -128,3 +135,17 @@ def test_served_greedy_identical_to_plain(models, cache):  # noqa: F811
         alone = serve(engine(models, "EAGLE3", "eagle3", (3, 2, 6)), prompts, long, cache)
         rounds = lambda rs: sum(r["meta_info"]["spec_verify_ct"] for r in rs)
         assert [r["output_ids"] for r in alone] == ids and rounds(out) < rounds(alone)
+
+
+def test_flush_cache_forgets_the_shared_text(models):  # noqa: F811
+    """/flush_cache (Scheduler.flush_cache) also empties the text finished requests left for text
+    matching; its device copy keeps its size (no new program shape)."""
+    from jaxspec.speculative.proposers.ngram import SEP
+
+    eng = engine(models, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    sched = serve_scheduler(eng, PROMPTS[:2], GREEDY)
+    size = eng.dparams["corpus"].shape
+    assert len(eng._corpus.buf) > 0 and np.any(np.asarray(eng.dparams["corpus"]) != SEP)
+    sched.flush_cache()
+    assert len(eng._corpus.buf) == 0 and eng.dparams["corpus"].shape == size
+    assert np.all(np.asarray(eng.dparams["corpus"]) == SEP)
